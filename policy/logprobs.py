@@ -1,0 +1,57 @@
+"""Per-token logprobs and entropy of a causal LM, computed in chunks.
+
+Letters: B = batch, T = sequence length, D = hidden size, V = vocabulary, C = chunk length.
+
+Never materialises `[B, T, V]` float32 logits: the decoder's hidden states are projected through
+the LM head `chunk` positions at a time, and each chunk is recomputed in the backward pass
+(activation checkpointing), so peak memory is `[B, C, V]` whatever T is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_stats(hidden_BCD, targets_BC, head, temperature: float):
+    logits_BCV = head(hidden_BCD).float() / temperature
+    logp_BCV = torch.log_softmax(logits_BCV, -1)
+    token_logp_BC = logp_BCV.gather(-1, targets_BC[..., None])[..., 0]
+    entropy_BC = -(logp_BCV.exp() * logp_BCV).sum(-1)
+    return token_logp_BC, entropy_BC
+
+
+def token_logprobs(
+    model,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logprob of token t given tokens < t, for t >= 1: returns ([B, T-1], entropy [B, T-1])."""
+    temperature = temperature or 1.0
+    position_ids_BT = (attention_mask_BT.cumsum(-1) - 1).clamp(min=0)
+    hidden_BTD = model.get_decoder()(
+        input_ids=input_ids_BT,
+        attention_mask=attention_mask_BT,
+        position_ids=position_ids_BT,
+        use_cache=False,
+    ).last_hidden_state[:, :-1]  # position t predicts token t + 1
+    head = model.get_output_embeddings()
+    targets_BT = input_ids_BT[:, 1:]
+    logps, entropies = [], []
+    for start in range(0, targets_BT.shape[1], chunk):
+        hidden = hidden_BTD[:, start : start + chunk]
+        targets = targets_BT[:, start : start + chunk]
+        if torch.is_grad_enabled():
+            logp, ent = checkpoint(
+                _chunk_stats, hidden, targets, head, temperature, use_reentrant=False
+            )
+        else:
+            logp, ent = _chunk_stats(hidden, targets, head, temperature)
+        logps.append(logp)
+        entropies.append(ent)
+    logp_BT = torch.cat(logps, 1)
+    return logp_BT, (torch.cat(entropies, 1) if with_entropy else None)

@@ -1,0 +1,85 @@
+"""The only place that turns our plain classes into Ray actors.
+
+Workers and the learner build their parts in their own process from the run config (so nothing
+heavy is pickled), then expose a few methods. Weights travel through the object store as numpy
+arrays: readers on the same node share one read-only copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ray
+
+from policy.sampling import SamplingParams
+from rl.build import build_learner, build_worker
+from rl.config import RunConfig
+from rollout.worker import Task
+
+
+def _quiet() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+class WorkerHost:
+    def __init__(self, cfg: RunConfig, model_dir: str, redis_url: str, run_id: str, index: int):
+        _quiet()
+        self.index = index
+        self.worker = build_worker(cfg, Path(model_dir), redis_url, run_id, index)
+
+    def collect(self, tasks: list[Task], group_size: int, sampling: SamplingParams) -> dict:
+        return self.worker.collect(tasks, group_size, sampling)
+
+    def evaluate(
+        self, seeds: list[int], samples: int, sampling: SamplingParams
+    ) -> list[list[bool]]:
+        return self.worker.evaluate(seeds, samples, sampling)
+
+    def load_weights(self, package: tuple) -> int:
+        version, weights, expected = package
+        self.worker.policy.load_weights(version, weights, expected)
+        return version
+
+    def version(self) -> int:
+        return self.worker.policy.version
+
+
+class LearnerHost:
+    def __init__(self, cfg: RunConfig, model_dir: str, redis_url: str, run_id: str):
+        _quiet()
+        self.learner = build_learner(cfg, Path(model_dir), redis_url, run_id)
+
+    def step(self) -> dict[str, float]:
+        return self.learner.step()
+
+    def export(self) -> tuple:
+        return self.learner.export()
+
+    def save(self, path: str) -> None:
+        self.learner.model.save_pretrained(path)
+
+
+def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
+    """One learner and `rollout.num_workers` workers, after checking the cluster can hold them."""
+    need = cfg.trainer.cpus + cfg.rollout.num_workers * cfg.rollout.cpus_per_worker
+    have = ray.cluster_resources().get("CPU", 0.0)
+    if need > have:
+        raise RuntimeError(
+            f"the Ray cluster has {have:g} CPUs but the run needs {need:g} "
+            f"(trainer.cpus={cfg.trainer.cpus:g} + rollout.num_workers={cfg.rollout.num_workers} x "
+            f"rollout.cpus_per_worker={cfg.rollout.cpus_per_worker:g}); lower them or add nodes"
+        )
+    learner = ray.remote(num_cpus=cfg.trainer.cpus)(LearnerHost).options(name=f"{run_id}-learner")
+    worker_cls = ray.remote(num_cpus=cfg.rollout.cpus_per_worker)(WorkerHost)
+    workers = [
+        worker_cls.options(name=f"{run_id}-worker-{i}").remote(
+            cfg, str(model_dir), redis_url, run_id, i
+        )
+        for i in range(cfg.rollout.num_workers)
+    ]
+    learner = learner.remote(cfg, str(model_dir), redis_url, run_id)
+    ray.get([w.version.remote() for w in workers])  # surface constructor errors now
+    return learner, workers

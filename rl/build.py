@@ -1,0 +1,114 @@
+"""Factories: a run config -> the plain objects (env, policy, renderer, worker, learner).
+
+Actors call these in their own process; the driver calls `prepare_policy` once per run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gymnasium
+import redis
+import torch
+
+import envs  # noqa: F401  (registers the built-in envs with gymnasium)
+from policy.hf import HFPolicy, build_model, load_model, load_tokenizer
+from policy.sampling import SamplingParams
+from policy.tokenizer import build_tokenizer, render_conversations
+from reward import build_reward
+from rl.config import RolloutConfig, RunConfig
+from rl.learner import Learner
+from rl.sft import expert_demonstrations
+from rollout.episode import EpisodeLimits
+from rollout.render import ChatRenderer
+from rollout.stream import RedisGroupReader, RedisTrajectoryStream
+from rollout.worker import RolloutWorker
+
+ERROR_SAMPLES = [
+    "Error: unknown tool 'calc' (available: calculate)",
+    "Error: arguments for calculate are not valid JSON (Expecting value)",
+    "Error: calculate is missing required argument 'expression'",
+    "Error: cannot parse expression '12 +'",
+]
+
+
+def make_env(cfg: RunConfig):
+    return gymnasium.make(cfg.env.id, **cfg.env.kwargs)
+
+
+def stream_names(run_id: str) -> dict[str, str]:
+    return {
+        "trajectories": f"agentrl:{run_id}:trajectories",
+        "metrics": f"agentrl:{run_id}:metrics",
+    }
+
+
+def prepare_policy(cfg: RunConfig, run_dir: Path) -> Path:
+    """The directory the policy starts from: `policy.path`, or a fresh model + tokenizer."""
+    if cfg.policy.path is not None:
+        return Path(cfg.policy.path)
+    demos = expert_demonstrations(cfg, 400, error_rate=0.5, seed=cfg.seed + 7919)
+    corpus = render_conversations((d.messages, d.tools) for d in demos) + ERROR_SAMPLES
+    tokenizer = build_tokenizer(corpus, vocab_size=cfg.policy.vocab_size)
+    model = build_model(
+        cfg.policy.model_type, cfg.policy.config, vocab_size=len(tokenizer), seed=cfg.seed
+    )
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    out = run_dir / "policy-init"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def sampling(cfg: RolloutConfig, renderer: ChatRenderer, *, greedy: bool = False) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0 if greedy else cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=(renderer.eos_token_id,),
+    )
+
+
+def build_worker(
+    cfg: RunConfig, model_dir: Path, redis_url: str | None, run_id: str, index: int
+) -> RolloutWorker:
+    torch.set_num_threads(cfg.rollout.threads_per_worker)
+    renderer = ChatRenderer(load_tokenizer(model_dir))
+    policy = HFPolicy(
+        load_model(model_dir), pad_token_id=renderer.pad_token_id, seed=cfg.seed * 1000 + index
+    )
+    sink = None
+    if redis_url is not None:
+        sink = RedisTrajectoryStream(
+            redis.Redis.from_url(redis_url), stream_names(run_id)["trajectories"]
+        )
+    return RolloutWorker(
+        env_factory=lambda: make_env(cfg),
+        env_id=cfg.env.id,
+        policy=policy,
+        renderer=renderer,
+        scorer=build_reward({"task_completion": 1.0}),
+        sink=sink,
+        limits=EpisodeLimits(max_turns=cfg.rollout.max_turns, max_seq_len=cfg.rollout.max_seq_len),
+    )
+
+
+def build_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str) -> Learner:
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.trainer.threads)
+    tokenizer = load_tokenizer(model_dir)
+    reader = RedisGroupReader(
+        redis.Redis.from_url(redis_url),
+        stream_names(run_id)["trajectories"],
+        group="learner",
+        consumer="learner-0",
+    )
+    return Learner(
+        cfg.trainer,
+        model=load_model(model_dir),
+        source=reader,
+        pad_token_id=tokenizer.pad_token_id,
+        temperature=cfg.rollout.temperature,
+    )

@@ -1,0 +1,259 @@
+"""The run configuration: a YAML run file maps 1:1 onto this typed tree.
+
+    agentrl train configs/quickstart.yaml trainer.lr=3e-4 rollout.num_workers=2
+
+Every key is documented once, here. Loading fails before Ray or Redis start, naming the key.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from rl.schema import ConfigError, apply_override, build
+
+
+def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(name, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RayConfig:
+    address: str = "local"
+    """"local" starts a private Ray on this machine; "auto" or "ray://host:port" joins a cluster."""
+    num_cpus: int | None = None
+    """CPUs of the local Ray (default: all of this machine's)."""
+    object_store_mb: int = 512
+    """Object store size of the local Ray, in MiB."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"local|auto|ray://[\w.\-]+:\d+|[\w.\-]+:\d+", self.address):
+            raise ConfigError(
+                "address",
+                f"must be local, auto, ray://host:port or host:port; got {self.address!r}",
+            )
+        if self.num_cpus is not None:
+            _positive("num_cpus", self.num_cpus)
+        _positive("object_store_mb", self.object_store_mb)
+
+
+@dataclass(kw_only=True, slots=True)
+class RedisConfig:
+    url: str | None = None
+    """redis://[:password@]host:port/db of an existing server; null starts an embedded one."""
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not re.match(r"(redis|rediss|unix)://", self.url):
+            raise ConfigError(
+                "url", f"must start with redis://, rediss:// or unix://; got {self.url!r}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    id: str = "agentrl/Calculator-v0"
+    """A gymnasium id of a tool environment."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to gymnasium.make (they override the registered defaults)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyConfig:
+    path: str | None = None
+    """A local directory with a saved causal LM and tokenizer; null builds `model_type` fresh."""
+    model_type: str = "qwen3"
+    """transformers model type to build when `path` is null."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Model config fields (hidden_size, num_hidden_layers, ...) for a fresh model."""
+    vocab_size: int = 768
+    """Vocabulary of the tokenizer built offline for a fresh model."""
+
+    def __post_init__(self) -> None:
+        _positive("vocab_size", self.vocab_size)
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    num_workers: int = 2
+    """RolloutWorker actors."""
+    cpus_per_worker: float = 0.5
+    """Ray CPUs reserved per worker."""
+    threads_per_worker: int = 1
+    """torch threads in each worker."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 48
+    """Tokens per assistant turn."""
+    max_turns: int = 4
+    """Assistant turns per episode."""
+    max_seq_len: int = 1024
+    """Tokens per trajectory, prompt included."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_workers",
+            "threads_per_worker",
+            "max_new_tokens",
+            "max_turns",
+            "max_seq_len",
+        ):
+            _positive(name, getattr(self, name))
+        _positive("cpus_per_worker", self.cpus_per_worker, zero_ok=True)
+        _positive("temperature", self.temperature)
+        _positive("top_k", self.top_k, zero_ok=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens >= self.max_seq_len:
+            raise ConfigError("max_new_tokens", f"must be below max_seq_len ({self.max_seq_len})")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    algorithm: Literal["grpo"] = "grpo"
+    steps: int = 60
+    """Optimizer steps (one batch of fresh rollouts each)."""
+    group_size: int = 8
+    """Samples per task; GRPO normalises rewards within a group."""
+    batch_size: int = 128
+    """Trajectories per step (= tasks per step x group_size)."""
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    """PPO clip range for the importance ratio."""
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 32
+    """Trajectories per forward/backward (gradients accumulate to the batch)."""
+    cpus: float = 1.0
+    """Ray CPUs reserved for the learner."""
+    threads: int = 2
+    """torch threads in the learner."""
+    read_timeout_s: float = 300.0
+    """Give up (with an error) if the stream yields no group for this long."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "micro_batch_size", "threads", "lr"):
+            _positive(name, getattr(self, name))
+        _positive("weight_decay", self.weight_decay, zero_ok=True)
+        _positive("max_grad_norm", self.max_grad_norm)
+        _positive("read_timeout_s", self.read_timeout_s)
+        if self.group_size < 2:
+            raise ConfigError(
+                "group_size",
+                f"must be >= 2: GRPO normalises rewards within a group; got {self.group_size}",
+            )
+        if not 0 < self.clip_eps < 1:
+            raise ConfigError("clip_eps", f"must be in (0, 1), got {self.clip_eps}")
+        if self.batch_size % self.group_size:
+            raise ConfigError(
+                "batch_size",
+                f"must be a multiple of group_size ({self.group_size}); got {self.batch_size}",
+            )
+
+    @property
+    def tasks_per_step(self) -> int:
+        return self.batch_size // self.group_size
+
+
+@dataclass(kw_only=True, slots=True)
+class SFTConfig:
+    enabled: bool = True
+    """Warm-start the policy on the env expert's demonstrations (TRL SFTTrainer)."""
+    demonstrations: int = 2000
+    expert_error_rate: float = 0.3
+    """Share of demonstrations in which the expert deliberately goes wrong."""
+    epochs: float = 6.0
+    lr: float = 2e-3
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("demonstrations", "epochs", "lr", "batch_size"):
+            _positive(name, getattr(self, name))
+        if not 0 <= self.expert_error_rate <= 1:
+            raise ConfigError(
+                "expert_error_rate", f"must be in [0, 1], got {self.expert_error_rate}"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    tasks: int = 200
+    """Held-out tasks (seeds disjoint from training)."""
+    samples: int = 4
+    """Sampled episodes per task at the training temperature."""
+    greedy: bool = True
+    """Also evaluate with greedy decoding (one episode per task)."""
+
+    def __post_init__(self) -> None:
+        _positive("tasks", self.tasks, zero_ok=True)
+        _positive("samples", self.samples)
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    tensorboard: bool = True
+    collapse_window: int = 5
+    """Steps in the rolling mean used to detect a reward collapse."""
+    collapse_drop: float = 0.3
+    """A fall of the rolling mean success this far below its best is reported as a collapse."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    output_dir: str = "runs"
+    """Run directories are created under here: <output_dir>/<name>-<timestamp>/."""
+    weight_push_timeout_s: float = 120.0
+    """A weight push not acknowledged by every worker within this time is an error."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
+            raise ConfigError("name", f"use letters, digits, '.', '_' or '-'; got {self.name!r}")
+        _positive("weight_push_timeout_s", self.weight_push_timeout_s)
+
+
+def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(item, "overrides look like section.key=value (e.g. trainer.lr=3e-4)")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML run file (or none: defaults), apply dotted overrides, check everything."""
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("", f"run file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError("", f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path} must hold a mapping of settings at the top level")
+    for key, value in parse_overrides(list(overrides)):
+        apply_override(data, key, value)
+    return build(RunConfig, data)

@@ -1,0 +1,194 @@
+"""`train(cfg)`: the whole run on one screen: warm start -> evaluate -> GRPO -> evaluate."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+
+import ray
+import yaml
+from tqdm import tqdm
+
+from rl.build import prepare_policy, sampling, stream_names
+from rl.config import RunConfig
+from rl.evaluate import EvalResult, evaluate
+from rl.metrics import CollapseDetector, MetricsLogger, console_line, rollout_metrics
+from rl.schema import to_dict
+from rl.weights import push_weights
+from rollout.render import ChatRenderer
+from rollout.worker import Task
+
+
+def make_run_dir(cfg: RunConfig) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.output_dir) / f"{cfg.name}-{stamp}"
+    suffix = 1
+    while run_dir.exists():
+        suffix += 1
+        run_dir = Path(cfg.output_dir) / f"{cfg.name}-{stamp}-{suffix}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return run_dir
+
+
+def train(cfg: RunConfig, run_dir: Path) -> dict:
+    from rl.actors import start_actors
+    from rl.launch import services
+
+    run_id = run_dir.name
+    with services(cfg, run_dir) as svc:
+        say(f"run directory: {run_dir}")
+        model_dir = prepare_policy(cfg, run_dir)
+        label = "init"
+        if cfg.sft.enabled:
+            model_dir, label = warm_start(cfg, model_dir, run_dir), "sft"
+        say(f"starting {cfg.rollout.num_workers} rollout workers and the learner on Ray")
+        learner, workers = start_actors(cfg, model_dir, svc.redis_url, run_id)
+        log = MetricsLogger(
+            run_dir,
+            client=svc.redis,
+            stream=stream_names(run_id)["metrics"],
+            tensorboard=cfg.metrics.tensorboard,
+        )
+        renderer = ChatRenderer(_tokenizer(model_dir))
+        evals = {label: run_evals(cfg, workers, renderer, log, step=0, label=label)}
+        grpo(cfg, learner, workers, renderer, log)
+        evals["grpo"] = run_evals(cfg, workers, renderer, log, step=cfg.trainer.steps, label="grpo")
+        ray.get(learner.save.remote(str(run_dir / "final-model")))
+        log.close()
+    summary = report(evals, label, run_dir)
+    from rl.plot import plot_run
+
+    say(f"reward curve: {plot_run(run_dir)}")
+    return summary
+
+
+def warm_start(cfg: RunConfig, model_dir: Path, run_dir: Path) -> Path:
+    """SFT on the expert's demonstrations (TRL SFTTrainer, in this process)."""
+    from policy.hf import load_model
+    from rl.sft import expert_demonstrations, run_sft, sft_examples
+
+    tokenizer = _tokenizer(model_dir)
+    demos = expert_demonstrations(
+        cfg, cfg.sft.demonstrations, error_rate=cfg.sft.expert_error_rate, seed=cfg.seed
+    )
+    good = sum(d.outcome["success"] for d in demos)
+    say(
+        f"SFT warm start: {len(demos)} expert demonstrations ({good / len(demos):.0%} correct), "
+        f"{cfg.sft.epochs:g} epochs with TRL SFTTrainer"
+    )
+    model = load_model(model_dir)
+    stats = run_sft(
+        cfg, model, tokenizer, sft_examples(ChatRenderer(tokenizer), demos), run_dir / "sft"
+    )
+    out = run_dir / "sft-model"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    say(f"SFT done in {stats['sft/seconds']:.0f} s (mean loss {stats['sft/loss']:.3f})")
+    return out
+
+
+def grpo(cfg: RunConfig, learner, workers, renderer, log: MetricsLogger) -> None:
+    t = cfg.trainer
+    params = sampling(cfg.rollout, renderer)
+    detector = CollapseDetector(window=cfg.metrics.collapse_window, drop=cfg.metrics.collapse_drop)
+    bar = tqdm(total=t.steps, desc="GRPO", unit="step", dynamic_ncols=True)
+    for step in range(1, t.steps + 1):
+        start = time.perf_counter()
+        tasks = [
+            Task(seed=cfg.seed * 10_000_000 + step * t.tasks_per_step + i, group_id=f"{step}-{i}")
+            for i in range(t.tasks_per_step)
+        ]
+        chunks = [tasks[i :: len(workers)] for i in range(len(workers))]
+        stats = ray.get(
+            [
+                w.collect.remote(c, t.group_size, params)
+                for w, c in zip(workers, chunks, strict=True)
+                if c
+            ]
+        )
+        metrics = rollout_metrics(stats)
+        metrics.update(ray.get(learner.step.remote()))
+        _, metrics["weights/push_seconds"] = push_weights(
+            learner, workers, timeout_s=cfg.weight_push_timeout_s
+        )
+        alarm = detector.update(metrics["rollout/success_rate"])
+        metrics["health/collapsed"] = float(detector.collapsed)
+        metrics["step/seconds"] = time.perf_counter() - start
+        log.log(step, metrics)
+        bar.write(console_line(step, t.steps, metrics))
+        if alarm:
+            bar.write(f"!!! {alarm}")
+        bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
+        bar.update(1)
+    bar.close()
+
+
+def run_evals(cfg, workers, renderer, log: MetricsLogger, *, step: int, label: str) -> dict:
+    if cfg.eval.tasks == 0:
+        return {}
+    modes = {
+        f"sampled (T={cfg.rollout.temperature:g}, {cfg.eval.samples}/task)": (
+            cfg.eval.samples,
+            sampling(cfg.rollout, renderer),
+        )
+    }
+    if cfg.eval.greedy:
+        modes["greedy"] = (1, sampling(cfg.rollout, renderer, greedy=True))
+    out = {}
+    for mode, (samples, params) in modes.items():
+        start = time.perf_counter()
+        result = evaluate(
+            workers, tasks=cfg.eval.tasks, samples=samples, sampling=params, mode=mode
+        )
+        out[mode] = result
+        log.log(
+            step,
+            {
+                "eval/label": label,
+                "eval/mode": mode,
+                "eval/success": result.success,
+                "eval/ci_low": result.ci_low,
+                "eval/ci_high": result.ci_high,
+            },
+            phase="eval",
+        )
+        say(
+            f"eval after {label.upper()}, {mode}: {result} on {cfg.eval.tasks} held-out tasks "
+            f"({time.perf_counter() - start:.0f} s)"
+        )
+    return out
+
+
+def report(evals: dict[str, dict[str, EvalResult]], base: str, run_dir: Path) -> dict:
+    """Print the before/after table and write summary.json."""
+    lines = ["", "Held-out evaluation (success rate, 95% interval over tasks)"]
+    for label, results in evals.items():
+        for mode, result in results.items():
+            lines.append(f"  after {label.upper():<5} {mode:<28} {result}")
+    summary = {label: {m: r.to_dict() for m, r in res.items()} for label, res in evals.items()}
+    sampled = [m for m in evals.get("grpo", {}) if m.startswith("sampled")]
+    if sampled and base in evals:
+        before, after = evals[base][sampled[0]], evals["grpo"][sampled[0]]
+        separated = after.ci_low > before.ci_high
+        verdict = "beyond the intervals" if separated else "NOT beyond the intervals"
+        lines.append(
+            f"GRPO vs {base.upper()} (sampled): {100 * (after.success - before.success):+.1f} "
+            f"points, {verdict}"
+        )
+        summary["grpo_beats_base_beyond_intervals"] = separated
+    print("\n".join(lines), flush=True)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _tokenizer(model_dir: Path):
+    from policy.hf import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+def say(text: str) -> None:
+    print(f"[agentrl] {text}", flush=True)

@@ -1,0 +1,73 @@
+"""SFT warm start on the env expert's demonstrations, with TRL's `SFTTrainer`.
+
+The demonstrations are rendered by the rollout renderer (same token layout as the policy's own
+episodes) and handed to TRL pre-tokenized: `input_ids` plus `assistant_masks`, so only the
+assistant's tokens are trained.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import gymnasium
+
+from envs import demonstrate, make_expert
+from rl.config import RunConfig
+from rollout.demos import render_demonstration
+from rollout.render import ChatRenderer
+
+DEMO_SEED_OFFSET = 2_000_000_000  # demonstrations, training and evaluation draw disjoint seeds
+
+
+def expert_demonstrations(cfg: RunConfig, count: int, *, error_rate: float, seed: int):
+    env = gymnasium.make(cfg.env.id, **cfg.env.kwargs)
+    expert = make_expert(cfg.env.id, error_rate=error_rate, seed=seed)
+    demos = [
+        demonstrate(env, expert, seed=DEMO_SEED_OFFSET + seed * count + i) for i in range(count)
+    ]
+    env.close()
+    return demos
+
+
+def sft_examples(renderer: ChatRenderer, demos) -> list[dict[str, list[int]]]:
+    out = []
+    for demo in demos:
+        ids, mask = render_demonstration(renderer, demo.messages, demo.tools)
+        out.append({"input_ids": ids, "assistant_masks": mask})
+    return out
+
+
+def run_sft(cfg: RunConfig, model, tokenizer, examples, out_dir: Path) -> dict[str, float]:
+    """Train `model` in place; returns the final training loss and wall seconds."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    steps_per_epoch = max(1, len(examples) // cfg.sft.batch_size)
+    args = SFTConfig(
+        output_dir=str(out_dir),
+        num_train_epochs=cfg.sft.epochs,
+        per_device_train_batch_size=cfg.sft.batch_size,
+        learning_rate=cfg.sft.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps_per_epoch // 4),
+        logging_steps=max(1, steps_per_epoch // 2),
+        report_to=["tensorboard"],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        max_length=None,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        dataloader_num_workers=0,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(examples),
+        processing_class=tokenizer,
+    )
+    start = time.perf_counter()
+    result = trainer.train()
+    return {"sft/loss": float(result.training_loss), "sft/seconds": time.perf_counter() - start}

@@ -1,0 +1,84 @@
+"""Trajectory groups <-> bytes for the Redis stream: msgpack with raw little-endian arrays.
+
+Never pickle: a stream entry is data, decoding it cannot run code. Token arrays travel as raw
+`int32` / `uint8` / `float32` buffers (4 bytes a token, not a msgpack int each).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
+
+FORMAT_VERSION = 1
+_ARRAYS = {
+    "token_ids": "<i4",
+    "loss_mask": "<u1",
+    "sample_logprobs": "<f4",
+    "token_versions": "<i4",
+}
+_SCALARS = (
+    "task_id",
+    "prompt_length",
+    "finish_detail",
+    "outcome",
+    "num_turns",
+    "num_tool_calls",
+    "num_tool_errors",
+    "num_parse_errors",
+    "reward",
+    "reward_parts",
+    "messages",
+)
+
+
+class CodecError(ValueError):
+    """A stream entry that is not a trajectory group of a format we read."""
+
+
+def encode_group(group: TrajectoryGroup) -> bytes:
+    payload = {
+        "v": FORMAT_VERSION,
+        "group_id": group.group_id,
+        "task_id": group.task_id,
+        "trajectories": [_encode_traj(t) for t in group.trajectories],
+    }
+    return msgpack.packb(payload, use_bin_type=True)
+
+
+def _encode_traj(traj: Trajectory) -> dict[str, Any]:
+    out: dict[str, Any] = {name: getattr(traj, name) for name in _SCALARS}
+    out["status"] = str(traj.status)
+    for name, dtype in _ARRAYS.items():
+        out[name] = np.asarray(getattr(traj, name), dtype=dtype).tobytes()
+    return out
+
+
+def decode_group(data: bytes) -> TrajectoryGroup:
+    try:
+        payload = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError) as exc:
+        raise CodecError(f"not a msgpack payload: {exc}") from None
+    if not isinstance(payload, dict) or payload.get("v") != FORMAT_VERSION:
+        raise CodecError(f"unknown trajectory format (want v={FORMAT_VERSION})")
+    try:
+        trajs = [_decode_traj(t) for t in payload["trajectories"]]
+        return TrajectoryGroup(
+            group_id=payload["group_id"], task_id=payload["task_id"], trajectories=trajs
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CodecError(f"malformed trajectory group: {exc}") from None
+
+
+def _decode_traj(data: dict[str, Any]) -> Trajectory:
+    fields = {name: data[name] for name in _SCALARS}
+    arrays = {
+        name: np.frombuffer(data[name], dtype=dtype).tolist() for name, dtype in _ARRAYS.items()
+    }
+    lengths = {len(a) for a in arrays.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"array lengths differ: {sorted(lengths)}")
+    return Trajectory(status=RolloutStatus(data["status"]), **fields, **arrays)

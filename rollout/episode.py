@@ -1,0 +1,118 @@
+"""The agent loop: many episodes advanced together, one batched generation per turn.
+
+Each turn, every unfinished episode contributes its token history to one `policy.generate` call;
+then each completion is parsed, stepped through its env, and the env's reply is appended as
+tokens with loss mask 0. Finished episodes drop out; the rest go round again.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from envs.types import Message
+from policy.sampling import Completion, SamplingParams
+from rollout.render import ChatRenderer
+from rollout.types import RolloutStatus, Trajectory
+
+
+class Policy(Protocol):
+    version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    """Assistant turns per episode (the env may end it sooner)."""
+    max_seq_len: int = 2048
+    """Total tokens per trajectory; an episode that would exceed it is truncated."""
+
+
+@dataclass(slots=True)
+class _Episode:
+    env: Any
+    traj: Trajectory
+    tools: list[dict] = field(default_factory=list)
+    done: bool = False
+
+    def finish(self, status: RolloutStatus, detail: str, outcome=None) -> None:
+        self.traj.status, self.traj.finish_detail, self.done = status, detail, True
+        self.traj.outcome = outcome
+
+
+def run_episodes(
+    envs: list[Any],
+    seeds: list[int],
+    task_ids: list[str],
+    *,
+    policy: Policy,
+    renderer: ChatRenderer,
+    sampling: SamplingParams,
+    limits: EpisodeLimits,
+) -> list[Trajectory]:
+    """Run one episode per (env, seed); returns trajectories in the same order."""
+    episodes = [
+        _start(env, seed, tid, renderer)
+        for env, seed, tid in zip(envs, seeds, task_ids, strict=True)
+    ]
+    for _ in range(limits.max_turns):
+        active = [e for e in episodes if not e.done]
+        for e in active:
+            if len(e.traj.token_ids) + sampling.max_new_tokens > limits.max_seq_len:
+                e.finish(RolloutStatus.TRUNCATED, "context full")
+        active = [e for e in active if not e.done]
+        if not active:
+            break
+        completions = policy.generate([e.traj.token_ids for e in active], sampling)
+        for episode, completion in zip(active, completions, strict=True):
+            _advance(episode, completion, policy.version, renderer)
+    for e in episodes:
+        if not e.done:
+            e.finish(RolloutStatus.TRUNCATED, "out of turns")
+    return [e.traj for e in episodes]
+
+
+def _start(env, seed: int, task_id: str, renderer: ChatRenderer) -> _Episode:
+    observation, info = env.reset(seed=seed)
+    tools = info.get("tools", [])
+    traj = Trajectory(task_id=task_id, messages=copy.deepcopy(observation))
+    traj.append(renderer.prompt(observation, tools), sampled=False)
+    traj.prompt_length = len(traj.token_ids)
+    return _Episode(env=env, traj=traj, tools=tools)
+
+
+def _advance(episode: _Episode, completion: Completion, version: int, renderer) -> None:
+    traj = episode.traj
+    traj.append(completion.token_ids, sampled=True, logprobs=completion.logprobs, version=version)
+    traj.num_turns += 1
+    if completion.finish_reason != "stop":
+        episode.finish(RolloutStatus.TRUNCATED, "turn hit max_new_tokens")
+        return
+    parsed = renderer.parse(completion.token_ids)
+    traj.num_parse_errors += len(parsed.errors)
+    traj.messages.append(parsed.message)
+    try:
+        observation, _, terminated, truncated, info = episode.env.step(parsed.message)
+    except Exception as exc:  # an env bug ends this episode, not the worker
+        episode.finish(RolloutStatus.ENV_ERROR, f"{type(exc).__name__}: {exc}")
+        return
+    traj.num_tool_calls += int(info.get("tool_calls", 0))
+    traj.num_tool_errors += int(info.get("tool_errors", 0))
+    if terminated or truncated:
+        status = RolloutStatus.COMPLETED if terminated else RolloutStatus.TRUNCATED
+        traj.messages.extend(observation)
+        episode.finish(
+            status, "env terminated" if terminated else "env truncated", info.get("outcome")
+        )
+        return
+    _append_observation(episode, observation, renderer)
+
+
+def _append_observation(episode: _Episode, observation: list[Message], renderer) -> None:
+    traj = episode.traj
+    ids = renderer.observation(traj.messages, observation, episode.tools)
+    traj.messages.extend(copy.deepcopy(observation))
+    traj.append(ids, sampled=False)

@@ -1,0 +1,67 @@
+"""The Redis stream that carries trajectory groups from rollout workers to the learner.
+
+Writers XADD one entry per group. The learner reads through a consumer group and XACKs an entry
+only after the optimizer step that used it, so a crashed learner finds its unacknowledged
+entries still pending (at-least-once; the entry id is the idempotency key).
+"""
+
+from __future__ import annotations
+
+import redis
+
+from rollout.codec import CodecError, decode_group, encode_group
+from rollout.types import TrajectoryGroup
+
+FIELD = b"group"
+
+
+class RedisTrajectoryStream:
+    """Writer side: `put(group)` returns the stream entry id."""
+
+    def __init__(self, client: redis.Redis, stream: str):
+        self.client = client
+        self.stream = stream
+
+    def put(self, group: TrajectoryGroup) -> str:
+        entry = self.client.xadd(self.stream, {FIELD: encode_group(group)})
+        return entry.decode() if isinstance(entry, bytes) else entry
+
+
+class RedisGroupReader:
+    """Learner side: a consumer in a consumer group."""
+
+    def __init__(self, client: redis.Redis, stream: str, *, group: str, consumer: str):
+        self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
+        self.dead_letters = 0
+        try:
+            self.client.xgroup_create(stream, group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int, *, block_ms: int) -> list[tuple[str, TrajectoryGroup]]:
+        """Up to `count` new groups, waiting at most `block_ms` for the first."""
+        reply = self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+        )
+        out = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                try:
+                    out.append((key, decode_group(fields.get(FIELD, b""))))
+                except CodecError as exc:
+                    self._dead_letter(key, fields, str(exc))
+        return out
+
+    def _dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
+        """A poison entry goes to `<stream>:dead` with the reason and never blocks the group."""
+        self.client.xadd(f"{self.stream}:dead", {**fields, b"reason": reason, b"id": entry_id})
+        self.client.xack(self.stream, self.group, entry_id)
+        self.dead_letters += 1
+
+    def ack(self, entry_ids: list[str]) -> int:
+        return int(self.client.xack(self.stream, self.group, *entry_ids)) if entry_ids else 0
+
+    def pending(self) -> int:
+        return int(self.client.xpending(self.stream, self.group)["pending"])

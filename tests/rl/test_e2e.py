@@ -1,0 +1,129 @@
+"""End to end through the CLI: real redis-server, real local Ray, a tiny model, a few steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def tiny_overrides(out: Path, steps: int = 2) -> list[str]:
+    model = "{" + ", ".join(f"{k}: {str(v).lower()}" for k, v in TINY_MODEL.items()) + "}"
+    return [
+        f"output_dir={out}",
+        "name=e2e",
+        f"policy.config={model}",
+        "policy.vocab_size=512",
+        "sft.demonstrations=48",
+        "sft.epochs=1",
+        "sft.batch_size=16",
+        f"trainer.steps={steps}",
+        "trainer.batch_size=16",
+        "trainer.group_size=4",
+        "eval.tasks=6",
+        "eval.samples=2",
+        "rollout.max_new_tokens=24",
+        "rollout.max_turns=2",
+        "ray.num_cpus=2",
+    ]
+
+
+def service_pids() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    keys = ("redis-server", "raylet", "gcs_server")
+    return {int(line.split()[0]) for line in out.splitlines()[1:] if any(k in line for k in keys)}
+
+
+def test_train_runs_end_to_end(tmp_path):
+    before = service_pids()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl.cli",
+            "train",
+            str(ROOT / "configs/quickstart.yaml"),
+            *tiny_overrides(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = list(tmp_path.glob("e2e-*"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "rollout/success_rate",
+        "rollout/tool_call_rate",
+        "rollout/tool_error_rate",
+        "rollout/response_length",
+        "learner/entropy",
+        "learner/clip_fraction",
+        "learner/approx_kl",
+        "learner/grad_norm",
+        "rollout/tokens_per_s",
+        "learner/policy_lag",
+        "weights/push_seconds",
+    ):
+        assert all(key in r for r in train), key
+    assert train[-1]["learner/version"] == 2
+    assert len([r for r in records if r["phase"] == "eval"]) == 4  # SFT and GRPO x sampled, greedy
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "config.yaml").exists() and (run_dir / "summary.json").exists()
+    assert (run_dir / "final-model" / "model.safetensors").exists()
+    assert list(
+        (run_dir / "redis").glob("**/*.aof")
+    )  # AOF was on (7.x: appendonlydir/, 6.x: one file)
+    assert "Held-out evaluation" in proc.stdout
+    assert service_pids() <= before, "Ray or Redis processes outlived the run"
+
+
+def test_ctrl_c_leaves_no_ray_or_redis_behind(tmp_path):
+    before = service_pids()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rl.cli",
+            "train",
+            str(ROOT / "configs/quickstart.yaml"),
+            *tiny_overrides(tmp_path, steps=500),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    seen = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen += line
+        if "step   1/500" in line or proc.poll() is not None:
+            break
+    assert "step   1/500" in seen, seen[-3000:]
+    assert service_pids() - before, "expected the run's Redis and Ray processes to be up"
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole process group
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (seen + rest)[-3000:]
+    assert "interrupted" in rest
+    time.sleep(1)
+    assert service_pids() <= before, "Ray or Redis processes outlived Ctrl-C"

@@ -1,0 +1,108 @@
+"""The learner against a small in-memory source (a fake of our GroupSource seam)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from policy.hf import checksum, export_weights
+from policy.logprobs import token_logprobs
+from rl.batch import pack
+from rl.config import TrainerConfig
+from rl.learner import Learner, StreamTimeout
+from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
+
+
+class ListSource:
+    def __init__(self, groups):
+        self.entries = [(f"{i}-0", g) for i, g in enumerate(groups)]
+        self.acked: list[str] = []
+
+    def read(self, count, *, block_ms):
+        taken, self.entries = self.entries[:count], self.entries[count:]
+        return taken
+
+    def ack(self, entry_ids):
+        self.acked.extend(entry_ids)
+        return len(entry_ids)
+
+
+def make_group(model, rewards, *, seed, status=RolloutStatus.COMPLETED):
+    gen = torch.Generator().manual_seed(seed)
+    trajs = []
+    for reward in rewards:
+        prompt = torch.randint(5, 100, (6,), generator=gen).tolist()
+        completion = torch.randint(
+            5, 100, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
+        traj = Trajectory(task_id=f"t{seed}", status=status, reward=reward)
+        traj.append(prompt, sampled=False)
+        traj.append(
+            completion, sampled=True, logprobs=logp[0, len(prompt) - 1 :].tolist(), version=0
+        )
+        trajs.append(traj)
+    return TrajectoryGroup(group_id=str(seed), task_id=f"t{seed}", trajectories=trajs)
+
+
+def learner_for(model, groups, batch_size=None):
+    cfg = TrainerConfig(
+        group_size=4,
+        batch_size=batch_size or 4 * len(groups),
+        micro_batch_size=3,
+        lr=1e-2,
+        read_timeout_s=0.5,
+    )
+    source = ListSource(groups)
+    return Learner(cfg, model=model, source=source, pad_token_id=0, temperature=1.0), source
+
+
+def test_step_updates_weights_then_acks(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    groups = [make_group(model, [1.0, 0.0, 0.0, 1.0], seed=s) for s in range(2)]
+    learner, source = learner_for(model, groups)
+    before = checksum(export_weights(model))
+    metrics = learner.step()
+    assert checksum(export_weights(model)) != before
+    assert source.acked == ["0-0", "1-0"] and learner.version == 1
+    assert metrics["learner/policy_lag"] == 0.0
+    assert abs(metrics["learner/ratio_mean"] - 1.0) < 1e-4  # on-policy: rollout == learner logprobs
+    assert metrics["learner/clip_fraction"] == 0.0 and metrics["learner/loss_tokens"] > 0
+
+
+def test_flat_groups_carry_no_gradient(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    learner, _ = learner_for(model, [make_group(model, [1.0] * 4, seed=3)])
+    before = checksum(export_weights(model))
+    metrics = learner.step()
+    assert metrics["learner/grad_norm"] == 0.0
+    assert checksum(export_weights(model)) == before
+
+
+def test_a_failed_step_acks_nothing(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    group = make_group(model, [1.0, 0.0, 1.0, 0.0], seed=4, status=RolloutStatus.ENV_ERROR)
+    learner, source = learner_for(model, [group])
+    with pytest.raises(ValueError, match="no trainable trajectory"):
+        learner.step()
+    assert source.acked == [] and learner.version == 0
+
+
+def test_a_silent_stream_times_out_with_a_clear_error(tiny_model):
+    learner, _ = learner_for(copy.deepcopy(tiny_model), [], batch_size=8)
+    with pytest.raises(StreamTimeout, match="0 of 2 groups"):
+        learner.step()
+
+
+def test_pack_masks_prompt_and_padding(tiny_model):
+    group = make_group(tiny_model, [1.0, 0.0, 1.0, 0.0], seed=5)
+    batch = pack([group], pad_token_id=0)
+    for row, traj in enumerate(group.trajectories):
+        n = len(traj.token_ids)
+        assert batch.loss_mask_NT[row, : n - 1].tolist() == traj.loss_mask[1:]
+        assert batch.loss_mask_NT[row, n - 1 :].sum() == 0
+        assert batch.adv_NT[row, 0] == pytest.approx([0.866, -0.866, 0.866, -0.866][row], abs=1e-3)

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from rollout.codec import CodecError, decode_group, encode_group
+from rollout.stream import RedisGroupReader, RedisTrajectoryStream
+from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
+
+
+def sample_group(n=3) -> TrajectoryGroup:
+    trajs = []
+    for i in range(n):
+        t = Trajectory(
+            task_id="agentrl/Calculator-v0#7", messages=[{"role": "user", "content": "é→中"}]
+        )
+        t.append([1, 2, 3], sampled=False)
+        t.append([40000 + i, 5], sampled=True, logprobs=[-0.25, -1.5], version=3)
+        t.status, t.outcome, t.reward = (
+            RolloutStatus.COMPLETED,
+            {"success": i == 0, "details": {}},
+            float(i == 0),
+        )
+        t.reward_parts, t.num_tool_calls = {"task_completion": float(i == 0)}, 1
+        trajs.append(t)
+    return TrajectoryGroup(group_id="1-0", task_id="agentrl/Calculator-v0#7", trajectories=trajs)
+
+
+def test_round_trip_is_exact():
+    group = sample_group()
+    back = decode_group(encode_group(group))
+    assert back == group
+
+
+def test_codec_rejects_foreign_payloads():
+    for bad in [
+        b"",
+        b"\x93\x01\x02",
+        msgpack.packb({"v": 99}),
+        msgpack.packb({"v": 1, "trajectories": [{}]}),
+    ]:
+        with pytest.raises(CodecError):
+            decode_group(bad)
+
+
+def test_stream_delivers_and_keeps_unacked_entries_pending(redis_server):
+    client = redis_server.client()
+    writer = RedisTrajectoryStream(client, "s")
+    reader = RedisGroupReader(client, "s", group="learner", consumer="c0")
+    ids = [writer.put(sample_group()) for _ in range(3)]
+    got = reader.read(10, block_ms=100)
+    assert [entry_id for entry_id, _ in got] == ids
+    assert got[0][1] == sample_group()
+    assert reader.pending() == 3
+    assert reader.ack(ids[:2]) == 2
+    assert reader.pending() == 1
+    assert reader.read(10, block_ms=50) == []  # delivered once to this group
+
+
+def test_poison_entry_goes_to_dead_letters(redis_server):
+    client = redis_server.client()
+    reader = RedisGroupReader(client, "s", group="learner", consumer="c0")
+    client.xadd("s", {"group": b"not msgpack \xff"})
+    RedisTrajectoryStream(client, "s").put(sample_group())
+    got = reader.read(10, block_ms=100)
+    assert len(got) == 1 and reader.dead_letters == 1
+    assert client.xlen("s:dead") == 1 and reader.pending() == 1
