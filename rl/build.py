@@ -53,8 +53,8 @@ def prepare_policy(cfg: RunConfig, run_dir: Path) -> Path:
     model = build_model(
         cfg.policy.model_type, cfg.policy.config, vocab_size=len(tokenizer), seed=cfg.seed
     )
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
+    for config in (model.config, model.generation_config):
+        config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     out = run_dir / "policy-init"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

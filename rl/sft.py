@@ -8,6 +8,7 @@ assistant's tokens are trained.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import gymnasium
@@ -44,7 +45,22 @@ def run_sft(cfg: RunConfig, model, tokenizer, examples, out_dir: Path) -> dict[s
     from trl import SFTConfig, SFTTrainer
 
     steps_per_epoch = max(1, len(examples) // cfg.sft.batch_size)
-    args = SFTConfig(
+    with warnings.catch_warnings():  # TRL's own default trips transformers' rename warning
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
+        args = _sft_args(cfg, out_dir, steps_per_epoch, SFTConfig)
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(examples),
+        processing_class=tokenizer,
+    )
+    start = time.perf_counter()
+    result = trainer.train()
+    return {"sft/loss": float(result.training_loss), "sft/seconds": time.perf_counter() - start}
+
+
+def _sft_args(cfg: RunConfig, out_dir: Path, steps_per_epoch: int, config_cls):
+    return config_cls(
         output_dir=str(out_dir),
         num_train_epochs=cfg.sft.epochs,
         per_device_train_batch_size=cfg.sft.batch_size,
@@ -62,12 +78,3 @@ def run_sft(cfg: RunConfig, model, tokenizer, examples, out_dir: Path) -> dict[s
         data_seed=cfg.seed,
         dataloader_num_workers=0,
     )
-    trainer = SFTTrainer(
-        model=model,
-        args=args,
-        train_dataset=Dataset.from_list(examples),
-        processing_class=tokenizer,
-    )
-    start = time.perf_counter()
-    result = trainer.train()
-    return {"sft/loss": float(result.training_loss), "sft/seconds": time.perf_counter() - start}

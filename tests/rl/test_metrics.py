@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import json
+
+from rl.evaluate import success_interval
+from rl.metrics import CollapseDetector, MetricsLogger, rollout_metrics
+
+
+def test_collapse_is_reported_once():
+    detector = CollapseDetector(window=3, drop=0.3)
+    messages = [detector.update(v) for v in [0.9, 0.9, 0.9, 0.8, 0.5, 0.3, 0.2, 0.1]]
+    alarms = [m for m in messages if m]
+    assert len(alarms) == 1 and "REWARD COLLAPSE" in alarms[0]
+    assert detector.collapsed
+
+
+def test_no_collapse_on_noise():
+    detector = CollapseDetector(window=5, drop=0.3)
+    assert not any(detector.update(v) for v in [0.6, 0.7, 0.65, 0.8, 0.75, 0.7, 0.85, 0.8] * 3)
+
+
+def test_interval_is_clustered_by_task():
+    same = success_interval([[True] * 4, [False] * 4] * 50)
+    assert same[0] == 0.5 and 0.39 < same[1] < 0.41  # sd of task means 0.5 -> 1.96*0.5/10
+    assert success_interval([[True, False]] * 100)[1:] == (0.5, 0.5)
+
+
+def test_rollout_metrics_add_up_workers():
+    base = {"episodes": 4, "successes": 2, "reward_sum": 2.0, "reward_sq_sum": 2.0, "turns": 8,
+            "tool_calls": 4, "tool_errors": 1, "parse_errors": 0, "episodes_with_tool_call": 4,
+            "generated_tokens": 100, "truncated": 0, "errors": 0, "seconds": 2.0}
+    m = rollout_metrics([base, dict(base, successes=4, reward_sum=4.0, reward_sq_sum=4.0, seconds=4.0)])
+    assert m["rollout/success_rate"] == 0.75 and m["reward/mean"] == 0.75
+    assert m["rollout/tool_error_rate"] == 0.25 and m["rollout/tokens_per_s"] == 50.0
+
+
+def test_logger_writes_jsonl_tensorboard_and_redis(tmp_path, redis_server):
+    client = redis_server.client()
+    log = MetricsLogger(tmp_path, client=client, stream="m", tensorboard=True)
+    log.log(1, {"reward/mean": 0.5})
+    log.log(2, {"reward/mean": 0.7})
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["reward/mean"] for x in lines] == [0.5, 0.7]
+    assert client.xlen("m") == 2
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
