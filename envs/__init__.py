@@ -1,6 +1,7 @@
 """Tool-using task environments: real `gymnasium.Env`s that speak chat messages.
 
-Importing this package registers the built-in environments with gymnasium:
+Importing this package registers the built-in environments with gymnasium, and every installed
+package's `agentrl.envs` entry points (see `envs.registry`):
 
     import gymnasium, envs
     env = gymnasium.make("agentrl/Calculator-v0", difficulty=2)
@@ -10,43 +11,50 @@ import gymnasium
 
 from envs.base import ToolEnv
 from envs.expert import Demonstration, Expert, demonstrate
+from envs.registry import (
+    RegistrationError,
+    ensure_registered,
+    env_class,
+    env_ids,
+    make_expert,
+    register_plugins,
+)
 from envs.tools import Tool, Toolbox, ToolError, tool
 from envs.types import Message, Outcome
 
 __all__ = [
+    "BUILTIN",
     "Demonstration",
     "Expert",
     "Message",
     "Outcome",
+    "RegistrationError",
     "Tool",
     "ToolEnv",
     "ToolError",
     "Toolbox",
     "demonstrate",
+    "ensure_registered",
+    "env_class",
+    "env_ids",
     "make_expert",
     "tool",
 ]
 
-EXPERTS = {"agentrl/Calculator-v0": "envs.calculator:CalculatorExpert"}
+BUILTIN = (
+    ("agentrl/Calculator-v0", "envs.calculator:CalculatorEnv", {"difficulty": 1, "max_turns": 4}),
+    ("agentrl/PythonCode-v0", "envs.python_code:PythonCodeEnv", {"difficulty": 1}),
+    ("agentrl/Retrieval-v0", "envs.retrieval:RetrievalEnv", {"difficulty": 1}),
+    ("agentrl/FileEdit-v0", "envs.file_edit:FileEditEnv", {"difficulty": 1}),
+)
+"""(id, entry point, default kwargs) of the built-in environments."""
 
 
 def _register() -> None:
-    if "agentrl/Calculator-v0" not in gymnasium.registry:
-        gymnasium.register(
-            id="agentrl/Calculator-v0",
-            entry_point="envs.calculator:CalculatorEnv",
-            kwargs={"difficulty": 1, "max_turns": 4},
-        )
-
-
-def make_expert(env_id: str, **kwargs):
-    """The scripted expert of a registered env (raises KeyError naming the known ones)."""
-    import importlib
-
-    if env_id not in EXPERTS:
-        raise KeyError(f"no scripted expert for {env_id!r}; known: {sorted(EXPERTS)}")
-    module, name = EXPERTS[env_id].split(":")
-    return getattr(importlib.import_module(module), name)(**kwargs)
+    for env_id, entry_point, kwargs in BUILTIN:
+        if env_id not in gymnasium.registry:
+            gymnasium.register(id=env_id, entry_point=entry_point, kwargs=kwargs)
+    register_plugins()
 
 
 _register()

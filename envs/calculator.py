@@ -127,10 +127,21 @@ def make_problem(rng: np.random.Generator, difficulty: int) -> Problem:
 class CalculatorEnv(ToolEnv):
     """Arithmetic word problems; tool: `calculate(expression)`; answer with the number."""
 
-    def __init__(self, *, difficulty: int = 1, max_turns: int = 4, render_mode: str | None = None):
+    expert = "envs.calculator:CalculatorExpert"
+
+    def __init__(
+        self,
+        *,
+        difficulty: int = 1,
+        max_turns: int = 4,
+        tool_timeout_s: float | None = 30.0,
+        render_mode: str | None = None,
+    ):
         if difficulty not in (1, 2, 3, 4):
             raise ValueError(f"difficulty must be 1, 2, 3 or 4, got {difficulty}")
-        super().__init__(max_turns=max_turns, render_mode=render_mode)
+        super().__init__(
+            max_turns=max_turns, tool_timeout_s=tool_timeout_s, render_mode=render_mode
+        )
         self.difficulty = difficulty
         self.problem: Problem | None = None
 

@@ -2,14 +2,28 @@
 
 The schema comes from `transformers.utils.get_json_schema` (type hints + Google-style docstring),
 so it is the same schema Hugging Face chat templates and TRL render. Calls are validated against
-the schema; every failure (unknown tool, bad JSON, missing or mistyped argument, the tool raising)
-becomes an error *message* for the model, never an exception for the caller.
+the schema; every failure (unknown tool, bad JSON, missing or mistyped argument, oversized
+arguments, the tool raising or hanging past its timeout) becomes an error *message* for the model,
+never an exception for the caller.
+
+    @tool                      # sync, the env's default timeout
+    def add(self, a: int, b: int) -> int: ...
+
+    @tool(timeout_s=5.0)       # async tools work too; a hung call is an error observation
+    async def fetch(self, url: str) -> str: ...
+
+A timed-out call cannot be stopped from the outside when it runs in-process: its thread is left to
+finish in the background. Code the model wrote never runs in-process; it goes to `envs.sandbox`,
+whose processes are killed at their limits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
+import threading
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +33,9 @@ from transformers.utils import get_json_schema
 from envs.types import Message, tool_result
 
 MAX_RESULT_CHARS = 4096
+"""Tool results longer than this are cut, with a marker saying how much was dropped."""
+MAX_ARGUMENT_CHARS = 65536
+"""Arguments (as JSON text) longer than this are refused before parsing."""
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
     "integer": (int,),
@@ -47,10 +64,16 @@ def _schema_for(fn: Callable[..., Any]) -> dict[str, Any]:
     shim.__name__ = fn.__name__
     shim.__doc__ = fn.__doc__
     shim.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
-    shim.__annotations__ = {
-        k: v for k, v in getattr(fn, "__annotations__", {}).items() if k != "self"
-    }
+    shim.__annotations__ = {k: v for k, v in resolved_hints(fn).items() if k != "self"}
     return get_json_schema(shim)
+
+
+def resolved_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """Type hints with string annotations (`from __future__ import annotations`) resolved."""
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # unresolvable: let get_json_schema report the raw annotations
+        return dict(getattr(fn, "__annotations__", {}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +82,16 @@ class Tool:
 
     fn: Callable[..., Any]
     schema: dict[str, Any]
+    timeout_s: float | None = None
+    """Seconds a call may take; None uses the env's default (`ToolEnv.tool_timeout_s`)."""
 
     @property
     def name(self) -> str:
         return self.schema["function"]["name"]
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
@@ -90,9 +119,20 @@ class BoundTool:
         return self.tool.fn(self.owner, **kwargs)
 
 
-def tool(fn: Callable[..., Any]) -> Tool:
-    """Decorator: `@tool def add(self, a: int, b: int) -> int` with a Google-style docstring."""
-    return Tool(fn=fn, schema=_schema_for(fn))
+def tool(fn: Callable[..., Any] | None = None, *, timeout_s: float | None = None) -> Any:
+    """Decorator: `@tool def add(self, a: int, b: int) -> int` with a Google-style docstring.
+
+    `@tool(timeout_s=2.0)` sets a per-call timeout for this tool. Sync and `async def` tools both
+    work; the schema is built from the signature and docstring when the class is defined, so a
+    missing docstring or type hint fails at import, not in the middle of a run.
+    """
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+
+    def wrap(f: Callable[..., Any]) -> Tool:
+        return Tool(fn=f, schema=_schema_for(f), timeout_s=timeout_s)
+
+    return wrap(fn) if fn is not None else wrap
 
 
 def validate_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]:
@@ -100,25 +140,39 @@ def validate_arguments(schema: dict[str, Any], arguments: Any) -> dict[str, Any]
     name = schema["function"]["name"]
     params = schema["function"].get("parameters", {"properties": {}})
     if isinstance(arguments, str):
+        if len(arguments) > MAX_ARGUMENT_CHARS:
+            raise ToolError(
+                f"arguments for {name} are too large ({len(arguments)} characters; "
+                f"max {MAX_ARGUMENT_CHARS})"
+            )
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ToolError(f"arguments for {name} are not valid JSON ({exc.msg})") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            raise ToolError(f"arguments for {name} are not valid JSON ({reason})") from None
     if not isinstance(arguments, dict):
         raise ToolError(f"arguments for {name} must be a JSON object")
     props = params.get("properties", {})
     for key in arguments:
         if key not in props:
-            raise ToolError(f"{name} has no argument {key!r} (expected: {', '.join(props)})")
+            raise ToolError(
+                f"{name} has no argument {_short(key)} (expected: {', '.join(props) or 'none'})"
+            )
     for key in params.get("required", []):
         if key not in arguments:
             raise ToolError(f"{name} is missing required argument {key!r}")
     for key, value in arguments.items():
-        _check_type(name, key, props[key], value)
+        _check_type(name, repr(key), props[key], value)
     return arguments
 
 
-def _check_type(tool_name: str, key: str, prop: dict[str, Any], value: Any) -> None:
+def _check_type(
+    tool_name: str, path: str, prop: dict[str, Any], value: Any, depth: int = 0
+) -> None:
+    """Raise ToolError if `value` (argument `path`, e.g. 'xs'[2]) does not fit `prop`."""
+    where = f"argument {path} of {tool_name}"
+    if value is None and prop.get("nullable"):
+        return
     types = prop.get("type")
     if types is None:
         return
@@ -126,29 +180,44 @@ def _check_type(tool_name: str, key: str, prop: dict[str, Any], value: Any) -> N
     allowed = tuple(t for name in types for t in _JSON_TYPES.get(name, (object,)))
     is_bool = isinstance(value, bool)
     if not isinstance(value, allowed) or (is_bool and "boolean" not in types):
-        raise ToolError(
-            f"argument {key!r} of {tool_name} must be {' or '.join(types)}, "
-            f"got {type(value).__name__}"
-        )
+        raise ToolError(f"{where} must be {' or '.join(types)}, got {_json_type(value)}")
+    if isinstance(value, float) and value != value:
+        raise ToolError(f"{where} must be a finite number")
     if "enum" in prop and value not in prop["enum"]:
-        raise ToolError(f"argument {key!r} of {tool_name} must be one of {prop['enum']}")
+        raise ToolError(f"{where} must be one of {prop['enum']}")
+    if isinstance(value, list) and "items" in prop and depth < 8:
+        for i, item in enumerate(value):
+            _check_type(tool_name, f"{path}[{i}]", prop["items"], item, depth + 1)
+
+
+def _json_type(value: Any) -> str:
+    for name, kinds in _JSON_TYPES.items():
+        if isinstance(value, kinds) and not (isinstance(value, bool) and name != "boolean"):
+            return name
+    return type(value).__name__
+
+
+def _short(text: Any, limit: int = 60) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[:limit]}...'"
 
 
 class Toolbox:
     """The tools of one env instance, looked up by name; `call` never raises."""
 
-    def __init__(self, tools: list[BoundTool]):
+    def __init__(self, tools: list[BoundTool], *, timeout_s: float | None = None):
         self._tools = {t.name: t for t in tools}
+        self.timeout_s = timeout_s
 
     @staticmethod
-    def of(owner: Any) -> Toolbox:
+    def of(owner: Any, *, timeout_s: float | None = None) -> Toolbox:
         """Collect every `@tool` attribute of `owner`'s class, in definition order."""
         found = []
         for klass in reversed(type(owner).__mro__):
             for value in vars(klass).values():
                 if isinstance(value, Tool):
                     found.append(BoundTool(value, owner))
-        return Toolbox(found)
+        return Toolbox(found, timeout_s=timeout_s)
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -157,6 +226,9 @@ class Toolbox:
     @property
     def names(self) -> list[str]:
         return list(self._tools)
+
+    def get(self, name: str) -> BoundTool | None:
+        return self._tools.get(name)
 
     def call(self, call: Any) -> tuple[Message, bool]:
         """Run one tool call; returns (tool message, ok)."""
@@ -168,12 +240,13 @@ class Toolbox:
             ), False
         if name not in self._tools:
             return _error(
-                name, f"unknown tool {name!r} (available: {', '.join(self._tools)})"
+                "", f"unknown tool {_short(name)} (available: {', '.join(self._tools)})"
             ), False
         bound = self._tools[name]
+        timeout = bound.tool.timeout_s or self.timeout_s
         try:
             kwargs = validate_arguments(bound.schema, fn.get("arguments", {}))
-            result = bound(**kwargs)
+            result = run_with_timeout(bound, kwargs, timeout)
         except ToolError as exc:
             return _error(name, str(exc)), False
         except Exception as exc:  # a tool bug is the model's observation, not our crash
@@ -181,13 +254,59 @@ class Toolbox:
         return tool_result(name, _render(result)), True
 
 
+def run_with_timeout(bound: BoundTool, kwargs: dict[str, Any], timeout_s: float | None) -> Any:
+    """Call a sync or async tool; raise ToolError if it takes longer than `timeout_s`."""
+    if timeout_s is None and not bound.tool.is_async:
+        return bound(**kwargs)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result = bound(**kwargs)
+            if inspect.isawaitable(result):
+                result = asyncio.run(asyncio.wait_for(_awaited(result), timeout_s))
+            box["result"] = result
+        except TimeoutError:
+            box["error"] = ToolError(f"{bound.name} timed out after {timeout_s:g} s")
+        except BaseException as exc:  # SystemExit from a tool must not end the worker thread
+            box["error"] = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+
+    worker = threading.Thread(target=target, name=f"tool-{bound.name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise ToolError(f"{bound.name} timed out after {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
 def _render(result: Any) -> str:
-    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+    if isinstance(result, str):
+        text = result
+    else:
+        try:
+            text = json.dumps(result, ensure_ascii=False)
+        except (TypeError, ValueError):
+            text = str(result)
     if len(text) > MAX_RESULT_CHARS:
         dropped = len(text) - MAX_RESULT_CHARS
         text = f"{text[:MAX_RESULT_CHARS]}... [truncated {dropped} characters]"
+    return clean_text(text)
+
+
+def clean_text(text: str) -> str:
+    """Text that encodes as UTF-8 (lone surrogates from broken input become U+FFFD)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
     return text
 
 
 def _error(name: str, text: str) -> Message:
-    return tool_result(name or "error", f"Error: {text}")
+    return tool_result(clean_text(name) or "error", clean_text(f"Error: {text}"))

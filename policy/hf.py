@@ -84,6 +84,10 @@ class HFPolicy:
         self.version = 0
         self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
 
+    def reseed(self, seed: int) -> None:
+        """Make the next draws a function of `seed` alone (exact resume needs no sampler state)."""
+        self.generator.manual_seed(seed)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         return generate(
             self.model, prompts, params, pad_token_id=self.pad_token_id, generator=self.generator

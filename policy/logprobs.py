@@ -21,26 +21,23 @@ def _chunk_stats(hidden_BCD, targets_BC, head, temperature: float):
     return token_logp_BC, entropy_BC
 
 
-def token_logprobs(
-    model,
-    input_ids_BT: torch.Tensor,
-    attention_mask_BT: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk: int = 1024,
-    with_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logprob of token t given tokens < t, for t >= 1: returns ([B, T-1], entropy [B, T-1])."""
-    temperature = temperature or 1.0
+def decoder_hidden(
+    model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """[B, T-1, D]: the final hidden state at every position that predicts a next token."""
     position_ids_BT = (attention_mask_BT.cumsum(-1) - 1).clamp(min=0)
-    hidden_BTD = model.get_decoder()(
+    return model.get_decoder()(
         input_ids=input_ids_BT,
         attention_mask=attention_mask_BT,
         position_ids=position_ids_BT,
         use_cache=False,
-    ).last_hidden_state[:, :-1]  # position t predicts token t + 1
+    ).last_hidden_state[:, :-1]
+
+
+def head_logprobs(model, hidden_BTD, targets_BT, *, temperature: float = 1.0, chunk: int = 1024):
+    """logprob of each target and the entropy, through the LM head `chunk` positions at a time."""
+    temperature = temperature or 1.0
     head = model.get_output_embeddings()
-    targets_BT = input_ids_BT[:, 1:]
     logps, entropies = [], []
     for start in range(0, targets_BT.shape[1], chunk):
         hidden = hidden_BTD[:, start : start + chunk]
@@ -53,5 +50,19 @@ def token_logprobs(
             logp, ent = _chunk_stats(hidden, targets, head, temperature)
         logps.append(logp)
         entropies.append(ent)
-    logp_BT = torch.cat(logps, 1)
-    return logp_BT, (torch.cat(entropies, 1) if with_entropy else None)
+    return torch.cat(logps, 1), torch.cat(entropies, 1)
+
+
+def token_logprobs(
+    model,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprob of token t given tokens < t, for t >= 1: returns ([B, T-1], entropy [B, T-1])."""
+    hidden_BTD = decoder_hidden(model, input_ids_BT, attention_mask_BT)
+    return head_logprobs(
+        model, hidden_BTD, input_ids_BT[:, 1:], temperature=temperature, chunk=chunk
+    )

@@ -1,15 +1,31 @@
-"""Scoring trajectories. `build_reward({"task_completion": 1.0})` makes the configured function."""
+"""Scoring trajectories. `build_reward({"task_completion": 1.0, "invalid_tool_call": -0.1})`
+makes the configured weighted sum (a run file's `reward:` section)."""
 
 from reward.base import Reward, RewardFn
 from reward.compose import Weighted
+from reward.shaping import InvalidToolCall, LengthPenalty
 from reward.task import TaskCompletion
 
-REWARDS = {"task_completion": TaskCompletion}
+REWARDS = {
+    "task_completion": TaskCompletion,
+    "invalid_tool_call": InvalidToolCall,
+    "length": LengthPenalty,
+}
 
-__all__ = ["REWARDS", "Reward", "RewardFn", "TaskCompletion", "Weighted", "build_reward"]
+__all__ = [
+    "REWARDS",
+    "InvalidToolCall",
+    "LengthPenalty",
+    "Reward",
+    "RewardFn",
+    "TaskCompletion",
+    "Weighted",
+    "build_reward",
+]
 
 
 def build_reward(weights: dict[str, float]) -> Weighted:
+    """A weighted sum of the named terms; unknown names raise KeyError listing the known ones."""
     unknown = sorted(set(weights) - set(REWARDS))
     if unknown:
         raise KeyError(f"unknown reward terms {unknown}; known: {sorted(REWARDS)}")

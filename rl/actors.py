@@ -7,6 +7,8 @@ arrays: readers on the same node share one read-only copy.
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import ray
@@ -30,12 +32,16 @@ class WorkerHost:
         self.index = index
         self.worker = build_worker(cfg, Path(model_dir), redis_url, run_id, index)
 
-    def collect(self, tasks: list[Task], group_size: int, sampling: SamplingParams) -> dict:
+    def collect(
+        self, tasks: list[Task], group_size: int, sampling: SamplingParams, seed: int
+    ) -> dict:
+        self.worker.policy.reseed(seed)
         return self.worker.collect(tasks, group_size, sampling)
 
     def evaluate(
         self, seeds: list[int], samples: int, sampling: SamplingParams
     ) -> list[list[bool]]:
+        self.worker.policy.reseed(seeds[0] if seeds else 0)
         return self.worker.evaluate(seeds, samples, sampling)
 
     def load_weights(self, package: tuple) -> int:
@@ -52,14 +58,30 @@ class LearnerHost:
         _quiet()
         self.learner = build_learner(cfg, Path(model_dir), redis_url, run_id)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def step(self) -> dict[str, float]:
+        # Fault injection for the resume tests: AGENTRL_FAULT_KILL_LEARNER_AT=<step> SIGKILLs this
+        # process when that step begins (its rollouts are already in the stream).
+        if os.environ.get("AGENTRL_FAULT_KILL_LEARNER_AT") == str(self.learner.version + 1):
+            os.kill(os.getpid(), signal.SIGKILL)
         return self.learner.step()
 
     def export(self) -> tuple:
         return self.learner.export()
 
-    def save(self, path: str) -> None:
+    def save_model(self, path: str) -> None:
         self.learner.model.save_pretrained(path)
+
+    def save_checkpoint(self, path: str) -> str:
+        self.learner.save(Path(path))
+        return self.learner.last_acked
+
+    def load_checkpoint(self, path: str, *, rng: bool = True, stream: bool = True) -> int:
+        """Restore the learner; forget stream entries produced after the checkpoint."""
+        self.learner.load(Path(path), rng=rng)
+        return self.learner.source.skip_to_end(self.learner.last_acked) if stream else 0
 
 
 def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):

@@ -51,3 +51,50 @@ def grpo_advantages_reference(
             ]
         )
     return out
+
+
+def centred_advantages(rewards_GN: torch.Tensor, valid_GN: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO: r - group mean, no division by the std (no length or difficulty bias)."""
+    valid = valid_GN.to(rewards_GN.dtype)
+    count_G = valid.sum(-1)
+    mean_G = (rewards_GN * valid).sum(-1) / count_G.clamp(min=1)
+    keep_GN = valid_GN & (count_G >= 2)[:, None]
+    return torch.where(keep_GN, rewards_GN - mean_G[:, None], torch.zeros_like(rewards_GN))
+
+
+def gae(
+    rewards_BK: torch.Tensor,
+    values_BK: torch.Tensor,
+    mask_BK: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over turns. Letters: B = trajectories, K = turns (right-padded, `mask_BK` marks real
+    ones). The state after the last real turn is terminal (value 0).
+    Returns (advantages, returns)."""
+    mask = mask_BK.to(values_BK.dtype)
+    adv_BK = torch.zeros_like(values_BK)
+    next_value_B = torch.zeros_like(values_BK[:, 0])
+    running_B = torch.zeros_like(values_BK[:, 0])
+    for k in reversed(range(values_BK.shape[1])):
+        delta_B = rewards_BK[:, k] + gamma * next_value_B - values_BK[:, k]
+        running_B = (delta_B + gamma * lam * running_B) * mask[:, k]
+        adv_BK[:, k] = running_B
+        next_value_B = values_BK[:, k] * mask[:, k]
+    return adv_BK, (adv_BK + values_BK) * mask
+
+
+def gae_reference(rewards, values, lengths, *, gamma: float, lam: float):
+    advs, rets = [], []
+    for r, v, n in zip(rewards, values, lengths, strict=True):
+        a = [0.0] * len(v)
+        for k in range(n):
+            total = 0.0
+            for j in range(k, n):
+                next_v = v[j + 1] if j + 1 < n else 0.0
+                total += (gamma * lam) ** (j - k) * (r[j] + gamma * next_v - v[j])
+            a[k] = total
+        advs.append(a)
+        rets.append([a[k] + v[k] if k < n else 0.0 for k in range(len(v))])
+    return advs, rets

@@ -1,8 +1,10 @@
 """Pack trajectory groups into padded training tensors.
 
-Letters: N = trajectories, T = longest trajectory, G = groups, S = samples per group.
+Letters: N = trajectories, T = longest trajectory, G = groups, S = samples per group, K = turns.
 Targets are shifted: position t of `loss_mask_NT`, `old_logp_NT` and `adv_NT` refers to the token
 at t + 1 (what the model predicts from tokens <= t), so they line up with `token_logprobs`.
+A turn starts at a target position whose mask is 1 after a 0; the hidden state there is where
+PPO's value head estimates the value of the state the turn acts in.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.advantages import grpo_advantages
+from rl.advantages import centred_advantages, grpo_advantages
 from rollout.types import TrajectoryGroup
+
+GROUP_ADVANTAGES = {"grpo": grpo_advantages, "centred": centred_advantages}
 
 
 @dataclass(slots=True)
@@ -22,12 +26,16 @@ class TrainBatch:
     loss_mask_NT: torch.Tensor
     """[N, T-1] 1 where the target token was sampled by the policy."""
     old_logp_NT: torch.Tensor
-    """[N, T-1] logprob of each target under the rollout policy."""
+    """[N, T-1] logprob of each target under the rollout (behaviour) policy."""
     adv_NT: torch.Tensor
-    """[N, T-1] the trajectory's advantage on each of its tokens."""
+    """[N, T-1] the advantage of each target token."""
     lengths_N: torch.Tensor
     versions_N: torch.Tensor
     """[N] lowest policy version that sampled a token of the trajectory."""
+    rewards_N: torch.Tensor
+    turn_pos_NK: torch.Tensor
+    """[N, K] target position where each turn starts (0 where `turn_mask_NK` is 0)."""
+    turn_mask_NK: torch.Tensor
 
     @property
     def size(self) -> int:
@@ -44,47 +52,88 @@ class TrainBatch:
             self.adv_NT[index, : width - 1],
             self.lengths_N[index],
             self.versions_N[index],
+            self.rewards_N[index],
+            self.turn_pos_NK[index],
+            self.turn_mask_NK[index],
         )
 
 
-def group_advantages(groups: list[TrajectoryGroup]) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO advantages [G, S] and validity [G, S] (groups may differ in size: padded invalid)."""
+def drop_flat_groups(groups: list[TrajectoryGroup]) -> tuple[list[TrajectoryGroup], int]:
+    """DAPO's filter: groups whose trainable rewards are all equal carry no signal."""
+    kept = []
+    for group in groups:
+        rewards = {t.reward for t in group.trajectories if t.trainable}
+        if len(rewards) > 1:
+            kept.append(group)
+    return kept, len(groups) - len(kept)
+
+
+def group_advantages(groups: list[TrajectoryGroup], kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages [G, S] and validity [G, S] (ragged groups padded invalid)."""
     width = max(len(g.trajectories) for g in groups)
     rewards = torch.zeros(len(groups), width, dtype=torch.float64)
     valid = torch.zeros(len(groups), width, dtype=torch.bool)
     for i, group in enumerate(groups):
         for j, traj in enumerate(group.trajectories):
             rewards[i, j], valid[i, j] = traj.reward, traj.trainable
-    return grpo_advantages(rewards, valid), valid
+    if kind == "none":
+        return torch.zeros_like(rewards), valid
+    return GROUP_ADVANTAGES[kind](rewards, valid), valid
 
 
-def pack(groups: list[TrajectoryGroup], *, pad_token_id: int) -> TrainBatch:
-    """Every trainable trajectory of `groups`, right-padded, with its group advantage."""
-    adv_GS, valid_GS = group_advantages(groups)
-    trajs, advs = [], []
-    for i, group in enumerate(groups):
-        for j, traj in enumerate(group.trajectories):
-            if valid_GS[i, j]:
-                trajs.append(traj)
-                advs.append(float(adv_GS[i, j]))
-    if not trajs:
+def pack(
+    groups: list[TrajectoryGroup], *, pad_token_id: int, advantages: str = "grpo"
+) -> TrainBatch:
+    """Every trainable trajectory of `groups`, right-padded, with its group-relative advantage
+    (`advantages`: grpo | centred | none, the last for PPO, which fills them in later)."""
+    adv_GS, valid_GS = group_advantages(groups, advantages)
+    chosen = [
+        (t, float(adv_GS[i, j]))
+        for i, g in enumerate(groups)
+        for j, t in enumerate(g.trajectories)
+        if valid_GS[i, j]
+    ]
+    if not chosen:
         raise ValueError("no trainable trajectory in the batch (all errored)")
-    width = max(len(t.token_ids) for t in trajs)
-    n = len(trajs)
+    n, width = len(chosen), max(len(t.token_ids) for t, _ in chosen)
     ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     attn = torch.zeros((n, width), dtype=torch.long)
-    mask = torch.zeros((n, width - 1), dtype=torch.float32)
-    old = torch.zeros((n, width - 1), dtype=torch.float32)
-    adv = torch.zeros((n, width - 1), dtype=torch.float32)
-    for row, (traj, a) in enumerate(zip(trajs, advs, strict=True)):
+    mask, old, adv = (torch.zeros((n, width - 1)) for _ in range(3))
+    starts = []
+    for row, (traj, a) in enumerate(chosen):
         length = len(traj.token_ids)
         ids[row, :length] = torch.tensor(traj.token_ids)
         attn[row, :length] = 1
         mask[row, : length - 1] = torch.tensor(traj.loss_mask[1:], dtype=torch.float32)
         old[row, : length - 1] = torch.tensor(traj.sample_logprobs[1:], dtype=torch.float32)
         adv[row, : length - 1] = a
-    lengths = attn.sum(-1)
+        starts.append(_turn_starts(traj.loss_mask[1:]))
+    turns = max(1, max(len(s) for s in starts))
+    turn_pos = torch.zeros((n, turns), dtype=torch.long)
+    turn_mask = torch.zeros((n, turns), dtype=torch.float32)
+    for row, s in enumerate(starts):
+        turn_pos[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+        turn_mask[row, : len(s)] = 1
     versions = torch.tensor(
-        [min((v for v in t.token_versions if v >= 0), default=-1) for t in trajs]
+        [min((v for v in t.token_versions if v >= 0), default=-1) for t, _ in chosen]
     )
-    return TrainBatch(ids, attn, mask, old, adv, lengths, versions)
+    rewards = torch.tensor([t.reward for t, _ in chosen], dtype=torch.float32)
+    return TrainBatch(
+        ids, attn, mask, old, adv, attn.sum(-1), versions, rewards, turn_pos, turn_mask
+    )
+
+
+def _turn_starts(target_mask: list[int]) -> list[int]:
+    return [p for p, m in enumerate(target_mask) if m and (p == 0 or not target_mask[p - 1])]
+
+
+def spread_turn_values(values_NK: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """[N, T-1]: each sampled token gets the value of the turn it belongs to."""
+    out = torch.zeros_like(batch.loss_mask_NT)
+    width = out.shape[1]
+    for k in range(batch.turn_pos_NK.shape[1]):
+        start = batch.turn_pos_NK[:, k]
+        positions = torch.arange(width)[None, :]
+        after = (positions >= start[:, None]) & (batch.turn_mask_NK[:, k : k + 1] > 0)
+        out = torch.where(after, values_NK[:, k : k + 1].to(out.dtype), out)
+    return out * batch.loss_mask_NT

@@ -11,7 +11,7 @@ import gymnasium
 import redis
 import torch
 
-import envs  # noqa: F401  (registers the built-in envs with gymnasium)
+import envs  # registers the built-in envs with gymnasium
 from policy.hf import HFPolicy, build_model, load_model, load_tokenizer
 from policy.sampling import SamplingParams
 from policy.tokenizer import build_tokenizer, render_conversations
@@ -33,6 +33,7 @@ ERROR_SAMPLES = [
 
 
 def make_env(cfg: RunConfig):
+    envs.ensure_registered(cfg.env.id, cfg.env.entry_point)  # a run file's env.entry_point
     return gymnasium.make(cfg.env.id, **cfg.env.kwargs)
 
 
@@ -89,7 +90,7 @@ def build_worker(
         env_id=cfg.env.id,
         policy=policy,
         renderer=renderer,
-        scorer=build_reward({"task_completion": 1.0}),
+        scorer=build_reward(cfg.reward.weights()),
         sink=sink,
         limits=EpisodeLimits(max_turns=cfg.rollout.max_turns, max_seq_len=cfg.rollout.max_seq_len),
     )
@@ -111,4 +112,5 @@ def build_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str) 
         source=reader,
         pad_token_id=tokenizer.pad_token_id,
         temperature=cfg.rollout.temperature,
+        seed=cfg.seed,
     )

@@ -1,9 +1,11 @@
 """The `agentrl` command.
 
 agentrl train configs/quickstart.yaml [section.key=value ...]
+agentrl train --resume runs/quickstart-YYYYmmdd-HHMMSS [section.key=value ...]
 agentrl check configs/quickstart.yaml [section.key=value ...]   # validate only
 agentrl plot runs/quickstart-YYYYmmdd-HHMMSS
 agentrl envs list
+agentrl envs check agentrl/Calculator-v0 [difficulty=2 ...]
 """
 
 from __future__ import annotations
@@ -18,20 +20,28 @@ from rl.schema import ConfigError
 
 
 def _check_env(cfg: RunConfig) -> None:
-    import gymnasium
+    import envs
 
-    import envs  # noqa: F401
-
-    if cfg.env.id not in gymnasium.registry:
-        known = sorted(k for k in gymnasium.registry if k.startswith("agentrl/"))
-        raise ConfigError(
-            "env.id", f"no environment {cfg.env.id!r} is registered; agentrl's: {known}"
-        )
+    try:  # an `env.entry_point` is registered under `env.id` here (and in each worker)
+        envs.ensure_registered(cfg.env.id, cfg.env.entry_point)
+    except envs.RegistrationError as exc:
+        key = "env.entry_point" if cfg.env.entry_point else "env.id"
+        raise ConfigError(key, str(exc)) from None
     if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():
         raise ConfigError("policy.path", f"{cfg.policy.path!r} is not a directory")
 
 
 def load(args) -> RunConfig:
+    if getattr(args, "resume", None):
+        if args.config and "=" in args.config:  # `train --resume DIR key=value`: no run file
+            args.overrides.insert(0, args.config)
+        elif args.config:
+            raise ConfigError(
+                "", "with --resume the run's own config.yaml is used; pass only overrides"
+            )
+        args.config = str(Path(args.resume) / "config.yaml")
+    elif not args.config:
+        raise ConfigError("", "name a run file, e.g. agentrl train configs/quickstart.yaml")
     cfg = load_config(args.config, args.overrides)
     _check_env(cfg)
     return cfg
@@ -43,16 +53,27 @@ def cmd_train(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    from rl.loop import make_run_dir, say, train
+    from rl.loop import Resume, make_run_dir, say, train
 
-    run_dir = make_run_dir(cfg)
+    resume = None
+    if args.resume:
+        run_dir = Path(args.resume)
+        skip = set(args.resume_skip or [])
+        resume = Resume(rng="rng" not in skip, stream="stream" not in skip)
+    else:
+        run_dir = make_run_dir(cfg)
+    from rl.checkpoint import CheckpointError
+
     try:
-        summary = train(cfg, run_dir)
+        summary = train(cfg, run_dir, resume)
+    except CheckpointError as exc:
+        print(f"agentrl: cannot resume: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         say(f"interrupted; Ray and Redis are stopped. Partial results in {run_dir}")
         return 130
     say(f"done: {run_dir}")
-    return 0 if summary else 1
+    return 0 if summary.get("rl_beats_base_beyond_intervals", True) or not args.strict else 3
 
 
 def cmd_check(args) -> int:
@@ -69,13 +90,20 @@ def cmd_plot(args) -> int:
 
 
 def cmd_envs(args) -> int:
-    import gymnasium
+    from envs.check import check_tool_env, list_envs
+    from rl.config import parse_overrides
 
-    import envs  # noqa: F401
-
-    for env_id in sorted(k for k in gymnasium.registry if k.startswith("agentrl/")):
-        print(env_id)
-    return 0
+    if args.action == "list":
+        print(list_envs())
+        return 0
+    if not args.env_id:
+        raise ConfigError("envs check", "name the env to check, e.g. agentrl envs check ID")
+    kwargs = dict(parse_overrides(args.kwargs))
+    report = check_tool_env(
+        args.env_id, kwargs=kwargs, episodes=args.episodes, long_steps=args.long_steps
+    )
+    print(report.format())
+    return 0 if report.passed else 1
 
 
 def parser() -> argparse.ArgumentParser:
@@ -88,14 +116,32 @@ def parser() -> argparse.ArgumentParser:
         ("check", cmd_check, "validate a run file and overrides"),
     ):
         sp = sub.add_parser(name, help=text)
-        sp.add_argument("config", help="YAML run file, e.g. configs/quickstart.yaml")
+        sp.add_argument("config", nargs="?", help="YAML run file, e.g. configs/quickstart.yaml")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-4")
-        sp.set_defaults(fn=fn)
+        sp.set_defaults(fn=fn, strict=False, resume=None)
+        if name == "train":
+            sp.add_argument(
+                "--resume",
+                metavar="RUN_DIR",
+                help="continue a run from its latest checkpoint (exactly)",
+            )
+            sp.add_argument(
+                "--resume-skip", action="append", choices=["rng", "stream"], help=argparse.SUPPRESS
+            )  # negative controls for the resume test
+            sp.add_argument(
+                "--strict",
+                action="store_true",
+                help="exit 3 unless RL beats the warm start beyond the 95%% intervals",
+            )
     sp = sub.add_parser("plot", help="draw a run's reward curve")
     sp.add_argument("run_dir")
     sp.set_defaults(fn=cmd_plot)
-    sp = sub.add_parser("envs", help="tool environments")
-    sp.add_argument("action", choices=["list"])
+    sp = sub.add_parser("envs", help="tool environments: list them, or check one")
+    sp.add_argument("action", choices=["list", "check"])
+    sp.add_argument("env_id", nargs="?", help="env id to check, e.g. agentrl/Calculator-v0")
+    sp.add_argument("kwargs", nargs="*", help="env kwargs, e.g. difficulty=2")
+    sp.add_argument("--episodes", type=int, default=5, help="seeded episodes per check")
+    sp.add_argument("--long-steps", type=int, default=32, help="steps of the long episode")
     sp.set_defaults(fn=cmd_envs)
     return p
 

@@ -56,10 +56,58 @@ class RedisConfig:
 
 @dataclass(kw_only=True, slots=True)
 class EnvConfig:
-    id: str = "agentrl/Calculator-v0"
-    """A gymnasium id of a tool environment."""
+    id: str | None = None
+    """A gymnasium id of a tool environment (default agentrl/Calculator-v0); with `entry_point`,
+    the id to register it under (default <module>/<Class>-v0)."""
+    entry_point: str | None = None
+    """"package.module:EnvClass" of an env that is not registered yet (a module in the current
+    directory works); registered under `id` before the run starts."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to gymnasium.make (they override the registered defaults)."""
+
+    def __post_init__(self) -> None:
+        if self.entry_point is not None:
+            if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.entry_point):
+                raise ConfigError(
+                    "entry_point",
+                    f"must look like 'package.module:EnvClass'; got {self.entry_point!r}",
+                )
+            if self.id is None:
+                module, _, cls = self.entry_point.partition(":")
+                self.id = f"{module.split('.')[0]}/{cls}-v0"
+        if self.id is None:
+            self.id = "agentrl/Calculator-v0"
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """Weights of the reward terms (reward/): total = sum of weight x term."""
+
+    task_completion: float = 1.0
+    """1 when the env's outcome says the task was solved, else 0."""
+    invalid_tool_call: float = 0.0
+    """Per invalid or unparsable tool call in the episode; a penalty, e.g. -0.1."""
+    length: float = 0.0
+    """Per 1000 tokens the policy generated in the episode; a penalty, e.g. -0.05."""
+
+    def __post_init__(self) -> None:
+        _positive("task_completion", self.task_completion, zero_ok=True)
+        for name in ("invalid_tool_call", "length"):
+            if getattr(self, name) > 0:
+                raise ConfigError(
+                    name, f"is a penalty: use a weight <= 0, got {getattr(self, name)}"
+                )
+        if not any(self.weights().values()):
+            raise ConfigError("task_completion", "every reward weight is 0: nothing to learn")
+
+    def weights(self) -> dict[str, float]:
+        """The non-zero terms, as `reward.build_reward` takes them."""
+        terms = {
+            "task_completion": self.task_completion,
+            "invalid_tool_call": self.invalid_tool_call,
+            "length": self.length,
+        }
+        return {name: weight for name, weight in terms.items() if weight != 0}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,19 +161,55 @@ class RolloutConfig:
             raise ConfigError("max_new_tokens", f"must be below max_seq_len ({self.max_seq_len})")
 
 
+ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo")
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
-    algorithm: Literal["grpo"] = "grpo"
+    algorithm: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"] = "grpo"
+    """grpo | dr_grpo | dapo | gspo | cispo (group-relative), or ppo (value head + GAE)."""
     steps: int = 60
     """Optimizer steps (one batch of fresh rollouts each)."""
     group_size: int = 8
-    """Samples per task; GRPO normalises rewards within a group."""
+    """Samples per task; the GRPO family normalises rewards within a group."""
     batch_size: int = 128
     """Trajectories per step (= tasks per step x group_size)."""
     lr: float = 5e-4
     weight_decay: float = 0.0
-    clip_eps: float = 0.2
-    """PPO clip range for the importance ratio."""
+    clip_low: float | None = None
+    """Lower clip of the importance ratio (null: the algorithm's default, 0.2; gspo 3e-4)."""
+    clip_high: float | None = None
+    """Upper clip (null: 0.2; dapo 0.28; gspo 4e-4); for cispo the ratio cap (default 5.0)."""
+    loss_aggregation: (
+        Literal[
+            "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+        ]
+        | None
+    ) = None
+    """null: the algorithm's default (grpo/gspo seq-mean-token-mean, dr_grpo
+    seq-mean-token-sum-norm, dapo/cispo/ppo token-mean)."""
+    kl_coef: float = 0.0
+    """Weight of KL(policy || frozen initial policy) per token; 0 keeps no reference model."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    """Entropy bonus (subtracted from the loss, times the token-mean entropy)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: recompute the learner's logprobs before the update and
+    weight each token by min(pi_learner / pi_rollout, tis_cap). null: off."""
+    gamma: float = 1.0
+    """PPO: discount between turns."""
+    lam: float = 0.95
+    """PPO: GAE lambda."""
+    vf_coef: float = 0.1
+    """PPO: weight of the value loss (the value head shares the policy trunk)."""
+    value_clip: float | None = 0.2
+    """PPO: clip of the value prediction around its old value (null: unclipped)."""
     max_grad_norm: float = 1.0
     micro_batch_size: int = 32
     """Trajectories per forward/backward (gradients accumulate to the batch)."""
@@ -139,16 +223,31 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "micro_batch_size", "threads", "lr"):
             _positive(name, getattr(self, name))
-        _positive("weight_decay", self.weight_decay, zero_ok=True)
+        for name in ("weight_decay", "kl_coef", "entropy_coef", "vf_coef"):
+            _positive(name, getattr(self, name), zero_ok=True)
         _positive("max_grad_norm", self.max_grad_norm)
         _positive("read_timeout_s", self.read_timeout_s)
-        if self.group_size < 2:
+        self._check_groups()
+        for name in ("clip_low", "clip_high", "tis_cap", "value_clip"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.clip_low is not None and self.clip_low >= 1:
+            raise ConfigError("clip_low", f"must be in (0, 1), got {self.clip_low}")
+        if self.tis_cap is not None and self.tis_cap < 1:
+            raise ConfigError("tis_cap", f"must be >= 1 (it caps a ratio), got {self.tis_cap}")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(name, f"must be in [0, 1], got {getattr(self, name)}")
+
+    def _check_groups(self) -> None:
+        if self.algorithm != "ppo" and self.group_size < 2:
             raise ConfigError(
                 "group_size",
-                f"must be >= 2: GRPO normalises rewards within a group; got {self.group_size}",
+                f"must be >= 2 for {self.algorithm}: rewards are "
+                f"normalised within a group (use algorithm: ppo for single samples); "
+                f"got {self.group_size}",
             )
-        if not 0 < self.clip_eps < 1:
-            raise ConfigError("clip_eps", f"must be in (0, 1), got {self.clip_eps}")
+        _positive("group_size", self.group_size)
         if self.batch_size % self.group_size:
             raise ConfigError(
                 "batch_size",
@@ -209,11 +308,14 @@ class RunConfig:
     seed: int = 0
     output_dir: str = "runs"
     """Run directories are created under here: <output_dir>/<name>-<timestamp>/."""
+    checkpoint_every: int = 10
+    """Write an atomic checkpoint every this many steps and at the end (0: only at the end)."""
     weight_push_timeout_s: float = 120.0
     """A weight push not acknowledged by every worker within this time is an error."""
     ray: RayConfig = field(default_factory=RayConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -225,6 +327,7 @@ class RunConfig:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
             raise ConfigError("name", f"use letters, digits, '.', '_' or '-'; got {self.name!r}")
         _positive("weight_push_timeout_s", self.weight_push_timeout_s)
+        _positive("checkpoint_every", self.checkpoint_every, zero_ok=True)
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:

@@ -1,9 +1,14 @@
-"""`train(cfg)`: the whole run on one screen: warm start -> evaluate -> GRPO -> evaluate."""
+"""`train(cfg)`: the whole run on one screen: warm start -> evaluate -> RL steps -> evaluate.
+
+`train(cfg, run_dir, resume=True)` continues a run from its latest checkpoint with the same step
+counter, optimizer, RNG states and stream position.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -15,10 +20,19 @@ from rl.build import prepare_policy, sampling, stream_names
 from rl.config import RunConfig
 from rl.evaluate import EvalResult, evaluate
 from rl.metrics import CollapseDetector, MetricsLogger, console_line, rollout_metrics
+from rl.runstate import RunState, load_latest, save_checkpoint, truncate_metrics, worker_seed
 from rl.schema import to_dict
 from rl.weights import push_weights
 from rollout.render import ChatRenderer
 from rollout.worker import Task
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """How to resume; the two switches exist for the resume test's negative controls."""
+
+    rng: bool = True
+    stream: bool = True
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
@@ -33,40 +47,49 @@ def make_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
-def train(cfg: RunConfig, run_dir: Path) -> dict:
+def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
     from rl.actors import start_actors
     from rl.launch import services
 
     run_id = run_dir.name
     with services(cfg, run_dir) as svc:
         say(f"run directory: {run_dir}")
-        model_dir = prepare_policy(cfg, run_dir)
-        label = "init"
-        if cfg.sft.enabled:
-            model_dir, label = warm_start(cfg, model_dir, run_dir), "sft"
+        checkpoint, state = load_latest(run_dir, rng=resume.rng) if resume else (None, None)
+        if state is None:
+            state = warm_start(cfg, run_dir)
         say(f"starting {cfg.rollout.num_workers} rollout workers and the learner on Ray")
-        learner, workers = start_actors(cfg, model_dir, svc.redis_url, run_id)
+        learner, workers = start_actors(cfg, Path(state.model_dir), svc.redis_url, run_id)
+        if checkpoint is not None:
+            restore(cfg, run_dir, checkpoint, state, learner, workers, resume)
         log = MetricsLogger(
             run_dir,
             client=svc.redis,
             stream=stream_names(run_id)["metrics"],
             tensorboard=cfg.metrics.tensorboard,
+            purge_step=state.step + 1 if checkpoint else None,
         )
-        renderer = ChatRenderer(_tokenizer(model_dir))
-        evals = {label: run_evals(cfg, workers, renderer, log, step=0, label=label)}
-        grpo(cfg, learner, workers, renderer, log)
-        evals["grpo"] = run_evals(cfg, workers, renderer, log, step=cfg.trainer.steps, label="grpo")
-        ray.get(learner.save.remote(str(run_dir / "final-model")))
+        renderer = ChatRenderer(_tokenizer(state.model_dir))
+        if checkpoint is None:
+            evals = run_evals(cfg, workers, renderer, log, step=0, label=state.base_label)
+            state.base_evals = {mode: r.to_dict() for mode, r in evals.items()}
+        rl_train(cfg, learner, workers, renderer, log, state, run_dir)
+        algo = cfg.trainer.algorithm
+        final = run_evals(cfg, workers, renderer, log, step=cfg.trainer.steps, label=algo)
+        ray.get(learner.save_model.remote(str(run_dir / "final-model")))
         log.close()
-    summary = report(evals, label, run_dir)
+    base = {mode: EvalResult(**r) for mode, r in state.base_evals.items()}
+    summary = report({state.base_label: base, algo: final}, state.base_label, algo, run_dir)
     from rl.plot import plot_run
 
     say(f"reward curve: {plot_run(run_dir)}")
     return summary
 
 
-def warm_start(cfg: RunConfig, model_dir: Path, run_dir: Path) -> Path:
-    """SFT on the expert's demonstrations (TRL SFTTrainer, in this process)."""
+def warm_start(cfg: RunConfig, run_dir: Path) -> RunState:
+    """A fresh policy, then (if enabled) SFT on the expert's demonstrations with TRL."""
+    model_dir = prepare_policy(cfg, run_dir)
+    if not cfg.sft.enabled:
+        return RunState.start(cfg.seed, model_dir, "init")
     from policy.hf import load_model
     from rl.sft import expert_demonstrations, run_sft, sft_examples
 
@@ -80,32 +103,49 @@ def warm_start(cfg: RunConfig, model_dir: Path, run_dir: Path) -> Path:
         f"{cfg.sft.epochs:g} epochs with TRL SFTTrainer"
     )
     model = load_model(model_dir)
-    stats = run_sft(
-        cfg, model, tokenizer, sft_examples(ChatRenderer(tokenizer), demos), run_dir / "sft"
-    )
+    examples = sft_examples(ChatRenderer(tokenizer), demos)
+    stats = run_sft(cfg, model, tokenizer, examples, run_dir / "sft")
     out = run_dir / "sft-model"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     say(f"SFT done in {stats['sft/seconds']:.0f} s (mean loss {stats['sft/loss']:.3f})")
-    return out
+    return RunState.start(cfg.seed, out, "sft")
 
 
-def grpo(cfg: RunConfig, learner, workers, renderer, log: MetricsLogger) -> None:
+def restore(
+    cfg, run_dir: Path, checkpoint: Path, state: RunState, learner, workers, resume
+) -> None:
+    discarded = ray.get(
+        learner.load_checkpoint.remote(str(checkpoint), rng=resume.rng, stream=resume.stream)
+    )
+    push_weights(learner, workers, timeout_s=cfg.weight_push_timeout_s)
+    dropped = truncate_metrics(run_dir, state.step)
+    say(
+        f"resumed from {checkpoint.name}: step {state.step}; {discarded} stream entries and "
+        f"{dropped} metric records written after it are discarded and will be redone"
+    )
+
+
+def rl_train(
+    cfg: RunConfig, learner, workers, renderer, log: MetricsLogger, state: RunState, run_dir: Path
+) -> None:
     t = cfg.trainer
     params = sampling(cfg.rollout, renderer)
     detector = CollapseDetector(window=cfg.metrics.collapse_window, drop=cfg.metrics.collapse_drop)
-    bar = tqdm(total=t.steps, desc="GRPO", unit="step", dynamic_ncols=True)
-    for step in range(1, t.steps + 1):
+    bar = tqdm(
+        total=t.steps, initial=state.step, desc=t.algorithm.upper(), unit="step", dynamic_ncols=True
+    )
+    for step in range(state.step + 1, t.steps + 1):
         start = time.perf_counter()
         tasks = [
-            Task(seed=cfg.seed * 10_000_000 + step * t.tasks_per_step + i, group_id=f"{step}-{i}")
-            for i in range(t.tasks_per_step)
+            Task(seed=s, group_id=f"{step}-{i}")
+            for i, s in enumerate(state.draw_tasks(t.tasks_per_step))
         ]
         chunks = [tasks[i :: len(workers)] for i in range(len(workers))]
         stats = ray.get(
             [
-                w.collect.remote(c, t.group_size, params)
-                for w, c in zip(workers, chunks, strict=True)
+                w.collect.remote(c, t.group_size, params, worker_seed(cfg.seed, step, i))
+                for i, (w, c) in enumerate(zip(workers, chunks, strict=True))
                 if c
             ]
         )
@@ -118,9 +158,10 @@ def grpo(cfg: RunConfig, learner, workers, renderer, log: MetricsLogger) -> None
         metrics["health/collapsed"] = float(detector.collapsed)
         metrics["step/seconds"] = time.perf_counter() - start
         log.log(step, metrics)
-        bar.write(console_line(step, t.steps, metrics))
-        if alarm:
-            bar.write(f"!!! {alarm}")
+        state.step = step
+        if step == t.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+            save_checkpoint(run_dir, state, learner)
+        bar.write(console_line(step, t.steps, metrics) + (f"\n!!! {alarm}" if alarm else ""))
         bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
         bar.update(1)
     bar.close()
@@ -162,29 +203,29 @@ def run_evals(cfg, workers, renderer, log: MetricsLogger, *, step: int, label: s
     return out
 
 
-def report(evals: dict[str, dict[str, EvalResult]], base: str, run_dir: Path) -> dict:
+def report(evals: dict[str, dict[str, EvalResult]], base: str, algo: str, run_dir: Path) -> dict:
     """Print the before/after table and write summary.json."""
     lines = ["", "Held-out evaluation (success rate, 95% interval over tasks)"]
     for label, results in evals.items():
         for mode, result in results.items():
-            lines.append(f"  after {label.upper():<5} {mode:<28} {result}")
+            lines.append(f"  after {label.upper():<7} {mode:<28} {result}")
     summary = {label: {m: r.to_dict() for m, r in res.items()} for label, res in evals.items()}
-    sampled = [m for m in evals.get("grpo", {}) if m.startswith("sampled")]
-    if sampled and base in evals:
-        before, after = evals[base][sampled[0]], evals["grpo"][sampled[0]]
+    sampled = [m for m in evals.get(algo, {}) if m.startswith("sampled")]
+    if sampled and evals.get(base):
+        before, after = evals[base][sampled[0]], evals[algo][sampled[0]]
         separated = after.ci_low > before.ci_high
         verdict = "beyond the intervals" if separated else "NOT beyond the intervals"
         lines.append(
-            f"GRPO vs {base.upper()} (sampled): {100 * (after.success - before.success):+.1f} "
-            f"points, {verdict}"
+            f"{algo.upper()} vs {base.upper()} (sampled): "
+            f"{100 * (after.success - before.success):+.1f} points, {verdict}"
         )
-        summary["grpo_beats_base_beyond_intervals"] = separated
+        summary["rl_beats_base_beyond_intervals"] = separated
     print("\n".join(lines), flush=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def _tokenizer(model_dir: Path):
+def _tokenizer(model_dir):
     from policy.hf import load_tokenizer
 
     return load_tokenizer(model_dir)

@@ -1,68 +1,199 @@
-"""Policy-gradient losses. Letters: B = sequences, T = token positions.
+"""Policy-gradient losses for the GRPO family and PPO. Letters: B = sequences, T = token positions.
 
-`ppo_clip_loss` is the PPO clipped surrogate per token,
-    l_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)),  r_t = exp(logp_t - old_logp_t),
-aggregated as a token mean: sum over every loss token of the batch / number of loss tokens.
-Pass `normalizer` (the loss-token count of the whole batch) when accumulating micro-batches, so
-the summed gradients equal the full batch's.
+Per token, with log importance weight w (token level: logp - old_logp; sequence level (GSPO): the
+masked mean of that over the sequence, shared by its tokens) and r = exp(w):
+
+    clip   (grpo, dr_grpo, dapo, gspo, ppo): l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+    cispo:                                   l = -sg(min(r, eps_high)) A logp
+
+optionally times a truncated importance-sampling weight (behaviour-policy correction), plus
+kl_coef * KL(pi || ref) per token (k1 or k3 estimator). The per-token losses are aggregated by
+`aggregation` over the *whole* batch: pass `Normalizers` computed on the full batch when
+accumulating micro-batches so the summed gradients equal the full batch's. An entropy bonus
+subtracts entropy_coef x the token-mean entropy.
+
+`policy_loss_reference` is the same thing as plain Python loops (tests compare them).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+Aggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LossSpec:
+    objective: Literal["clip", "cispo"] = "clip"
+    level: Literal["token", "sequence"] = "token"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """Upper clip (clip objective: 1 + clip_high) or the ratio cap (cispo: clip_high itself)."""
+    aggregation: Aggregation = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Normalizers:
+    """Whole-batch counts: loss tokens, sequences, and the length seq-mean-token-sum-norm uses."""
+
+    tokens: float
+    sequences: float
+    max_tokens: float
+
+    @staticmethod
+    def of(mask_BT: torch.Tensor, max_tokens: int | None = None) -> Normalizers:
+        return Normalizers(
+            float(mask_BT.sum().clamp(min=1)),
+            float(mask_BT.shape[0]),
+            float(max_tokens or mask_BT.shape[1]),
+        )
 
 
 @dataclass(slots=True)
 class LossStats:
-    clipped_tokens: float
-    approx_kl_sum: float
-    ratio_sum: float
-    tokens: float
+    clipped_tokens: float = 0.0
+    approx_kl_sum: float = 0.0
+    ratio_sum: float = 0.0
+    ref_kl_sum: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, other: LossStats) -> None:
+        for name in LossStats.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-def ppo_clip_loss(
+def log_importance_weights(logp_BT, old_logp_BT, mask_BT, level: str) -> torch.Tensor:
+    """[B, T] (token level) or [B, 1] (sequence level: masked mean over the sequence)."""
+    log_ratio_BT = (logp_BT - old_logp_BT) * mask_BT
+    if level == "token":
+        return log_ratio_BT
+    return (log_ratio_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)).unsqueeze(-1)
+
+
+def kl_per_token(logp_BT, ref_logp_BT, estimator: str) -> torch.Tensor:
+    """KL(pi || ref) estimators on tokens sampled from pi: k1 = log(pi/ref), k3 = r - 1 - log r
+    with r = ref/pi (non-negative, unbiased)."""
+    delta_BT = ref_logp_BT - logp_BT
+    if estimator == "k1":
+        return -delta_BT
+    return delta_BT.exp() - delta_BT - 1
+
+
+def aggregate(
+    loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, norm: Normalizers
+) -> torch.Tensor:
+    masked_BT = loss_BT * mask_BT
+    if mode == "token-mean":
+        return masked_BT.sum() / norm.tokens
+    if mode == "seq-mean-token-mean":
+        return (masked_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)).sum() / norm.sequences
+    if mode == "seq-mean-token-sum":
+        return masked_BT.sum() / norm.sequences
+    if mode == "seq-mean-token-sum-norm":
+        return masked_BT.sum() / (norm.sequences * norm.max_tokens)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def policy_loss(
     logp_BT: torch.Tensor,
     old_logp_BT: torch.Tensor,
     adv_BT: torch.Tensor,
     mask_BT: torch.Tensor,
+    spec: LossSpec,
+    norm: Normalizers,
     *,
-    clip_low: float,
-    clip_high: float,
-    normalizer: float | None = None,
+    is_weight_BT: torch.Tensor | None = None,
+    ref_logp_BT: torch.Tensor | None = None,
+    entropy_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    mask = mask_BT.to(logp_BT.dtype)
-    log_ratio_BT = (logp_BT - old_logp_BT) * mask
-    ratio_BT = log_ratio_BT.exp()
-    unclipped_BT = -adv_BT * ratio_BT
-    clipped_BT = -adv_BT * ratio_BT.clamp(1 - clip_low, 1 + clip_high)
-    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
-    denom = normalizer if normalizer is not None else mask.sum().clamp(min=1)
-    loss = (loss_BT * mask).sum() / denom
-    with torch.no_grad():
-        stats = LossStats(
-            clipped_tokens=float(((clipped_BT > unclipped_BT) * mask).sum()),
-            approx_kl_sum=float((((ratio_BT - 1) - log_ratio_BT) * mask).sum()),  # k3 estimator
-            ratio_sum=float((ratio_BT * mask).sum()),
-            tokens=float(mask.sum()),
+    mask_BT = mask_BT.to(logp_BT.dtype)
+    log_w = log_importance_weights(logp_BT, old_logp_BT, mask_BT, spec.level)
+    ratio = log_w.exp()
+    if spec.objective == "cispo":
+        capped = ratio.clamp(max=spec.clip_high).detach()
+        loss_BT = -capped * adv_BT * logp_BT
+        clipped = (ratio > spec.clip_high) & (adv_BT > 0)
+    else:
+        unclipped, bounded = (
+            ratio * adv_BT,
+            ratio.clamp(1 - spec.clip_low, 1 + spec.clip_high) * adv_BT,
         )
-    return loss, stats
+        loss_BT = -torch.minimum(unclipped, bounded)
+        clipped = bounded < unclipped
+    loss_BT = loss_BT.expand_as(logp_BT)
+    if is_weight_BT is not None:
+        loss_BT = loss_BT * is_weight_BT.detach()
+    ref_kl_BT = None
+    if spec.kl_coef and ref_logp_BT is not None:
+        ref_kl_BT = kl_per_token(logp_BT, ref_logp_BT, spec.kl_estimator)
+        loss_BT = loss_BT + spec.kl_coef * ref_kl_BT
+    loss = aggregate(loss_BT, mask_BT, spec.aggregation, norm)
+    if spec.entropy_coef and entropy_BT is not None:
+        loss = loss - spec.entropy_coef * (entropy_BT * mask_BT).sum() / norm.tokens
+    return loss, _stats(logp_BT, old_logp_BT, mask_BT, clipped, ref_kl_BT)
 
 
-def ppo_clip_loss_reference(
-    logp, old_logp, adv, mask, *, clip_low: float, clip_high: float
+def _stats(logp_BT, old_logp_BT, mask_BT, clipped, ref_kl_BT) -> LossStats:
+    with torch.no_grad():
+        log_ratio_BT = (logp_BT - old_logp_BT) * mask_BT
+        ratio_BT = log_ratio_BT.exp()
+        return LossStats(
+            clipped_tokens=float((clipped.expand_as(mask_BT) * mask_BT).sum()),
+            approx_kl_sum=float((((ratio_BT - 1) - log_ratio_BT) * mask_BT).sum()),  # k3 vs old
+            ratio_sum=float((ratio_BT * mask_BT).sum()),
+            ref_kl_sum=float((ref_kl_BT * mask_BT).sum()) if ref_kl_BT is not None else 0.0,
+            tokens=float(mask_BT.sum()),
+        )
+
+
+def value_loss(
+    values_BK, returns_BK, old_values_BK, mask_BK, *, clip: float | None
+) -> torch.Tensor:
+    """PPO value loss (optionally clipped around the old values), mean over valid turns."""
+    error = (values_BK - returns_BK) ** 2
+    if clip is not None:
+        clipped = old_values_BK + (values_BK - old_values_BK).clamp(-clip, clip)
+        error = torch.maximum(error, (clipped - returns_BK) ** 2)
+    return 0.5 * (error * mask_BK).sum() / mask_BK.sum().clamp(min=1)
+
+
+def policy_loss_reference(
+    logp, old_logp, adv, mask, spec: LossSpec, *, max_tokens: int | None = None, ref_logp=None
 ) -> float:
-    """Loop version over plain lists of lists (tests compare it with the vectorised one)."""
-    import math
-
-    total, count = 0.0, 0
-    for seq_logp, seq_old, seq_adv, seq_mask in zip(logp, old_logp, adv, mask, strict=True):
-        for lp, olp, a, m in zip(seq_logp, seq_old, seq_adv, seq_mask, strict=True):
-            if not m:
-                continue
-            ratio = math.exp(lp - olp)
-            clipped = min(max(ratio, 1 - clip_low), 1 + clip_high)
-            total += max(-a * ratio, -a * clipped)
-            count += 1
-    return total / max(count, 1)
+    """Loop version over plain lists of lists (no entropy, no IS weight)."""
+    per_seq, total_tokens, total_sum = [], 0, 0.0
+    for b, (lp, olp, a, m) in enumerate(zip(logp, old_logp, adv, mask, strict=True)):
+        tokens = [t for t in range(len(lp)) if m[t]]
+        seq_w = sum(lp[t] - olp[t] for t in tokens) / max(len(tokens), 1)
+        seq_sum = 0.0
+        for t in tokens:
+            w = seq_w if spec.level == "sequence" else lp[t] - olp[t]
+            r = math.exp(w)
+            if spec.objective == "cispo":
+                loss = -min(r, spec.clip_high) * a[t] * lp[t]
+            else:
+                loss = -min(r * a[t], min(max(r, 1 - spec.clip_low), 1 + spec.clip_high) * a[t])
+            if spec.kl_coef and ref_logp is not None:
+                d = ref_logp[b][t] - lp[t]
+                loss += spec.kl_coef * (-d if spec.kl_estimator == "k1" else math.exp(d) - d - 1)
+            seq_sum += loss
+        per_seq.append((seq_sum, len(tokens)))
+        total_tokens += len(tokens)
+        total_sum += seq_sum
+    n = len(per_seq)
+    if spec.aggregation == "token-mean":
+        return total_sum / max(total_tokens, 1)
+    if spec.aggregation == "seq-mean-token-mean":
+        return sum(s / max(k, 1) for s, k in per_seq) / n
+    if spec.aggregation == "seq-mean-token-sum":
+        return total_sum / n
+    return total_sum / (n * (max_tokens or len(logp[0])))

@@ -13,15 +13,22 @@ import redis
 
 class MetricsLogger:
     def __init__(
-        self, run_dir: Path, *, client: redis.Redis | None, stream: str, tensorboard: bool
+        self,
+        run_dir: Path,
+        *,
+        client: redis.Redis | None,
+        stream: str,
+        tensorboard: bool,
+        purge_step: int | None = None,
     ):
+        """`purge_step`: on resume, TensorBoard events from this step on are dropped (rewritten)."""
         self.path = run_dir / "metrics.jsonl"
         self.client, self.stream = client, stream
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, step: int, metrics: dict[str, float], *, phase: str = "train") -> None:
         record = {"step": step, "phase": phase, "time": round(time.time(), 3), **metrics}
@@ -68,13 +75,23 @@ class CollapseDetector:
 
 
 def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
-    """Add up the workers' counters into rates."""
-    total = {k: sum(s[k] for s in stats) for k in stats[0]}
+    """Add up the workers' counters into rates.
+
+    The reward mean and std are over scored trajectories (env and grader errors are counted in
+    `rollout/env_errors` and `rollout/grader_errors`, and excluded). Per reward term:
+    `reward/<term>` (its raw mean); per env: `env/<id>/success_rate`; per tool:
+    `tools/<name>/calls` and `tools/<name>/failure_rate`.
+    """
+    total: dict[str, float] = {}
+    for s in stats:
+        for key, value in s.items():
+            total[key] = total.get(key, 0) + value
     n = max(total["episodes"], 1)
-    mean = total["reward_sum"] / n
-    var = max(total["reward_sq_sum"] / n - mean**2, 0.0)
+    scored = max(total.get("scored", total["episodes"]), 1)
+    mean = total["reward_sum"] / scored
+    var = max(total["reward_sq_sum"] / scored - mean**2, 0.0)
     seconds = max(s["seconds"] for s in stats)
-    return {
+    out = {
         "reward/mean": mean,
         "reward/std": var**0.5,
         "rollout/success_rate": total["successes"] / n,
@@ -85,18 +102,37 @@ def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
         "rollout/turns": total["turns"] / n,
         "rollout/truncated_rate": total["truncated"] / n,
         "rollout/errors": total["errors"],
+        "rollout/env_errors": total.get("env_errors", 0),
+        "rollout/grader_errors": total.get("grader_errors", 0),
         "rollout/tokens_per_s": total["generated_tokens"] / max(seconds, 1e-9),
         "rollout/seconds": seconds,
     }
+    for key, value in total.items():
+        kind, _, rest = key.partition("/")
+        if kind == "reward_part":
+            out[f"reward/{rest}"] = value / scored
+        elif kind == "env" and rest.endswith("/episodes"):
+            env_id = rest.removesuffix("/episodes")
+            out[f"env/{env_id}/success_rate"] = total[f"env/{env_id}/successes"] / max(value, 1)
+        elif kind == "tool" and rest.endswith("/calls"):
+            name = rest.removesuffix("/calls")
+            out[f"tools/{name}/calls"] = value
+            out[f"tools/{name}/failure_rate"] = total[f"tool/{name}/failures"] / max(value, 1)
+    return out
 
 
 def console_line(step: int, steps: int, m: dict[str, float]) -> str:
-    return (
-        f"step {step:>3}/{steps} | reward {m['reward/mean']:.2f}±{m['reward/std']:.2f} "
-        f"| success {m['rollout/success_rate']:.0%} | tools {m['rollout/tool_call_rate']:.0%} "
-        f"(err {m['rollout/tool_error_rate']:.0%}) | len {m['rollout/response_length']:.0f} "
-        f"| ent {m['learner/entropy']:.3f} | clip {m['learner/clip_fraction']:.3f} "
-        f"| kl {m['learner/approx_kl']:.1e} | gnorm {m['learner/grad_norm']:.2f} "
-        f"| {m['rollout/tokens_per_s']:,.0f} tok/s | lag {m['learner/policy_lag']:.0f} "
-        f"| push {m['weights/push_seconds']:.2f}s"
+    nan = float("nan")
+    g = lambda key: m.get(key, nan)  # noqa: E731  (a skipped update has no learner metrics)
+    line = (
+        f"step {step:>3}/{steps} | reward {g('reward/mean'):.2f}±{g('reward/std'):.2f} "
+        f"| success {g('rollout/success_rate'):.0%} | tools {g('rollout/tool_call_rate'):.0%} "
+        f"(err {g('rollout/tool_error_rate'):.0%}) | len {g('rollout/response_length'):.0f} "
+        f"| ent {g('learner/entropy'):.3f} | clip {g('learner/clip_fraction'):.3f} "
+        f"| kl {g('learner/approx_kl'):.1e} | gnorm {g('learner/grad_norm'):.2f} "
+        f"| {g('rollout/tokens_per_s'):,.0f} tok/s | lag {g('learner/policy_lag'):.0f} "
+        f"| push {g('weights/push_seconds'):.2f}s"
     )
+    if m.get("learner/dropped_groups"):
+        line += f" | dropped {m['learner/dropped_groups']:.0f} flat groups"
+    return line

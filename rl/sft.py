@@ -46,7 +46,9 @@ def run_sft(cfg: RunConfig, model, tokenizer, examples, out_dir: Path) -> dict[s
 
     steps_per_epoch = max(1, len(examples) // cfg.sft.batch_size)
     with warnings.catch_warnings():  # TRL's own default trips transformers' rename warning
-        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*gradient_checkpointing.*", category=FutureWarning
+        )
         args = _sft_args(cfg, out_dir, steps_per_epoch, SFTConfig)
     trainer = SFTTrainer(
         model=model,

@@ -63,5 +63,18 @@ class RedisGroupReader:
     def ack(self, entry_ids: list[str]) -> int:
         return int(self.client.xack(self.stream, self.group, *entry_ids)) if entry_ids else 0
 
+    def skip_to_end(self, after: str) -> int:
+        """Resume support: forget every entry past `after` (the checkpoint's last acked id; they
+        are regenerated) by acking the pending ones and moving the group to the stream's end.
+        Returns how many entries were discarded."""
+        stale = self.client.xrange(self.stream, min=f"({after}", max="+")
+        pending = self.client.xpending_range(
+            self.stream, self.group, min="-", max="+", count=1 << 30
+        )
+        if pending:
+            self.client.xack(self.stream, self.group, *[p["message_id"] for p in pending])
+        self.client.xgroup_setid(self.stream, self.group, id="$")
+        return len(stale)
+
     def pending(self) -> int:
         return int(self.client.xpending(self.stream, self.group)["pending"])

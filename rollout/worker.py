@@ -6,6 +6,7 @@ objects: an env factory, the policy, the renderer, the reward function, and a si
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,7 +88,10 @@ class RolloutWorker:
             return
         try:
             scored = self.scorer(traj)
-            traj.reward, traj.reward_parts = float(scored.total), dict(scored.parts)
+            total = float(scored.total)
+            if not math.isfinite(total):
+                raise ValueError(f"reward is {total}")
+            traj.reward, traj.reward_parts = total, dict(scored.parts)
         except Exception as exc:  # recorded and excluded, never silently scored
             traj.status = RolloutStatus.GRADER_ERROR
             traj.finish_detail = f"reward raised {type(exc).__name__}: {exc}"
@@ -103,13 +107,22 @@ class RolloutWorker:
 
 
 def summarize(trajs: list[Trajectory], *, seconds: float) -> dict[str, float]:
-    """Counters a driver can add up across workers."""
+    """Counters a driver can add up across workers (flat keys; see `rl.metrics`).
+
+    Besides the totals: `reward_part/<term>` sums over scored trajectories, `env/<id>/episodes`
+    and `env/<id>/successes` per env (from the task id), and `tool/<name>/calls` and
+    `tool/<name>/failures` per tool (from the tool messages; calls that named no valid tool
+    count under `tool/(invalid)/...`).
+    """
     n = len(trajs)
-    return {
+    errors = (RolloutStatus.ENV_ERROR, RolloutStatus.GRADER_ERROR)
+    scored = [t for t in trajs if t.status not in errors]
+    stats: dict[str, float] = {
         "episodes": n,
+        "scored": len(scored),
         "successes": sum(t.success for t in trajs),
-        "reward_sum": sum(t.reward for t in trajs),
-        "reward_sq_sum": sum(t.reward**2 for t in trajs),
+        "reward_sum": sum(t.reward for t in scored),
+        "reward_sq_sum": sum(t.reward**2 for t in scored),
         "turns": sum(t.num_turns for t in trajs),
         "tool_calls": sum(t.num_tool_calls for t in trajs),
         "tool_errors": sum(t.num_tool_errors for t in trajs),
@@ -117,8 +130,26 @@ def summarize(trajs: list[Trajectory], *, seconds: float) -> dict[str, float]:
         "episodes_with_tool_call": sum(t.num_tool_calls > 0 for t in trajs),
         "generated_tokens": sum(t.num_generated for t in trajs),
         "truncated": sum(t.status is RolloutStatus.TRUNCATED for t in trajs),
-        "errors": sum(
-            t.status in (RolloutStatus.ENV_ERROR, RolloutStatus.GRADER_ERROR) for t in trajs
-        ),
+        "errors": sum(t.status in errors for t in trajs),
+        "env_errors": sum(t.status is RolloutStatus.ENV_ERROR for t in trajs),
+        "grader_errors": sum(t.status is RolloutStatus.GRADER_ERROR for t in trajs),
         "seconds": seconds,
     }
+    for t in trajs:
+        env_id = t.task_id.rsplit("#", 1)[0]
+        _add(stats, f"env/{env_id}/episodes", 1)
+        _add(stats, f"env/{env_id}/successes", int(t.success))
+        if t.status not in errors:
+            for name, value in t.reward_parts.items():
+                _add(stats, f"reward_part/{name}", value)
+        for m in t.messages:
+            if m.get("role") == "tool":
+                name = m.get("name") or "error"
+                name = "(invalid)" if name == "error" else name
+                _add(stats, f"tool/{name}/calls", 1)
+                _add(stats, f"tool/{name}/failures", int(m.get("content", "").startswith("Error:")))
+    return stats
+
+
+def _add(stats: dict[str, float], key: str, value: float) -> None:
+    stats[key] = stats.get(key, 0) + value

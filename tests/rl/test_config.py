@@ -70,7 +70,9 @@ def test_yaml_scientific_notation_without_dot_is_a_number(tmp_path):
 
 def test_cli_typo_fails_fast_without_starting_anything(tmp_path):
     path = tmp_path / "typo.yaml"
-    path.write_text((ROOT / "configs/quickstart.yaml").read_text().replace("clip_eps", "clip_epz"))
+    path.write_text(
+        (ROOT / "configs/quickstart.yaml").read_text().replace("  steps: 60", "  stpes: 60")
+    )
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "rl.cli", "train", str(path), f"output_dir={tmp_path}/runs"],
@@ -80,7 +82,7 @@ def test_cli_typo_fails_fast_without_starting_anything(tmp_path):
     )
     elapsed = time.monotonic() - start
     assert proc.returncode == 2
-    assert "trainer.clip_epz: unknown key; did you mean 'clip_eps'" in proc.stderr
+    assert "trainer.stpes: unknown key; did you mean 'steps'" in proc.stderr
     assert elapsed < 5, f"config error took {elapsed:.1f} s"
     assert not (tmp_path / "runs").exists()
 

@@ -39,28 +39,61 @@ def tiny_overrides(out: Path, steps: int = 2) -> list[str]:
     ]
 
 
-def service_pids() -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    keys = ("redis-server", "raylet", "gcs_server")
-    return {int(line.split()[0]) for line in out.splitlines()[1:] if any(k in line for k in keys)}
+def descendants(root: int) -> set[int]:
+    """Every live process below `root` (read from /proc: parent links)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {root}
+    while frontier:
+        children = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= children
+        frontier = children
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+def run_cli(args: list[str], timeout: float = 600) -> tuple[subprocess.CompletedProcess, set[int]]:
+    """Run `agentrl train` and collect every process it started (Ray, Redis, actors) meanwhile."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rl.cli", "train", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    out = err = ""
+    while True:
+        try:
+            out, err = proc.communicate(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            seen |= descendants(proc.pid)
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), seen
 
 
 def test_train_runs_end_to_end(tmp_path):
-    before = service_pids()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rl.cli",
-            "train",
-            str(ROOT / "configs/quickstart.yaml"),
-            *tiny_overrides(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    proc, started = run_cli([str(ROOT / "configs/quickstart.yaml"), *tiny_overrides(tmp_path)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = list(tmp_path.glob("e2e-*"))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -92,11 +125,12 @@ def test_train_runs_end_to_end(tmp_path):
         (run_dir / "redis").glob("**/*.aof")
     )  # AOF was on (7.x: appendonlydir/, 6.x: one file)
     assert "Held-out evaluation" in proc.stdout
-    assert service_pids() <= before, "Ray or Redis processes outlived the run"
+    assert len(started) >= 3, "expected Redis, Ray and actor processes"
+    time.sleep(1)
+    assert not alive(started), "processes outlived the run"
 
 
 def test_ctrl_c_leaves_no_ray_or_redis_behind(tmp_path):
-    before = service_pids()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -120,10 +154,43 @@ def test_ctrl_c_leaves_no_ray_or_redis_behind(tmp_path):
         if "step   1/500" in line or proc.poll() is not None:
             break
     assert "step   1/500" in seen, seen[-3000:]
-    assert service_pids() - before, "expected the run's Redis and Ray processes to be up"
+    started = descendants(proc.pid)
+    assert len(started) >= 3, "expected the run's Redis, Ray and actor processes to be up"
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole process group
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, (seen + rest)[-3000:]
     assert "interrupted" in rest
     time.sleep(1)
-    assert service_pids() <= before, "Ray or Redis processes outlived Ctrl-C"
+    assert not alive(started), "processes outlived Ctrl-C"
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
+def test_a_run_file_switches_algorithms(tmp_path, algorithm):
+    overrides = [
+        *tiny_overrides(tmp_path),
+        f"trainer.algorithm={algorithm}",
+        "sft.enabled=false",
+        "eval.tasks=0",
+        "rollout.num_workers=1",
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rl.cli",
+            "train",
+            str(ROOT / "configs/quickstart.yaml"),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = list(tmp_path.glob("e2e-*"))
+    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in train] == [1, 2]
+    assert [r["learner/version"] for r in train] == [1, 2]
+    grads = [r["learner/grad_norm"] for r in train if "learner/grad_norm" in r]  # dapo may skip
+    assert all(g == g for g in grads)  # not NaN

@@ -6,8 +6,13 @@ import math
 
 import torch
 
-from rl.advantages import grpo_advantages, grpo_advantages_reference
-from rl.losses import ppo_clip_loss, ppo_clip_loss_reference
+from rl.advantages import (
+    centred_advantages,
+    gae,
+    gae_reference,
+    grpo_advantages,
+    grpo_advantages_reference,
+)
 
 
 def test_advantages_by_hand():
@@ -45,62 +50,28 @@ def test_advantages_match_the_loop_reference():
     assert torch.allclose(fast, torch.tensor(slow, dtype=torch.float64))
 
 
-def test_clip_loss_by_hand():
-    # one sequence, three loss tokens and one masked token
-    logp = torch.tensor([[math.log(1.5), math.log(0.5), 0.0, 5.0]])
-    old = torch.zeros_like(logp)
-    adv = torch.tensor([[1.0, -1.0, 2.0, 9.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss, stats = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
-    # token 1: r=1.5, A=1 -> max(-1.5, -1.2) = -1.2 (clipped)
-    # token 2: r=0.5, A=-1 -> max(0.5, 0.8) = 0.8 (clipped); token 3: r=1, A=2 -> -2
-    assert torch.isclose(loss, torch.tensor((-1.2 + 0.8 - 2.0) / 3))
-    assert stats.clipped_tokens == 2 and stats.tokens == 3
+def test_dr_grpo_advantages_are_only_centred():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 2.0, 5.0, 5.0]], dtype=torch.float64)
+    valid = torch.tensor([[True, True, True, True], [True, True, False, True]])
+    adv = centred_advantages(rewards, valid)
+    assert torch.allclose(adv[0], torch.tensor([0.75, -0.25, -0.25, -0.25], dtype=torch.float64))
+    assert torch.allclose(adv[1], torch.tensor([-1.0, -1.0, 0.0, 2.0], dtype=torch.float64))
 
 
-def test_clip_loss_and_gradients_match_the_reference_in_float64():
-    gen = torch.Generator().manual_seed(1)
-    logp = (torch.randn(4, 9, generator=gen, dtype=torch.float64) * 0.3 - 1).requires_grad_()
-    old = torch.randn(4, 9, generator=gen, dtype=torch.float64) * 0.3 - 1
-    adv = torch.randn(4, 1, generator=gen, dtype=torch.float64).expand(4, 9)
-    mask = (torch.rand(4, 9, generator=gen) > 0.3).double()
-    loss, _ = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
-    ref = ppo_clip_loss_reference(
-        logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), clip_low=0.2, clip_high=0.28
+def test_gae_by_hand_and_against_the_loop():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.5, 0.0, 0.0]], dtype=torch.float64)
+    values = torch.tensor([[0.2, 0.4, 0.6], [0.3, 0.9, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # trajectory 2 has one turn: delta = 0.5 + 0 - 0.3
+    assert (
+        torch.isclose(adv[1, 0], torch.tensor(0.2, dtype=torch.float64)) and adv[1, 1:].eq(0).all()
     )
-    assert abs(loss.item() - ref) < 1e-12
-    loss.backward()
-    # gradient by hand: -A r / n where unclipped term is the max, else 0
-    ratio = (logp.detach() - old).exp()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(0.8, 1.28)
-    active = (unclipped >= clipped).double() * mask
-    expected = -adv * ratio * active / mask.sum()
-    assert torch.allclose(logp.grad, expected)
-
-
-def test_micro_batches_sum_to_the_full_batch_gradient():
-    gen = torch.Generator().manual_seed(2)
-    logp = torch.randn(6, 5, generator=gen, dtype=torch.float64, requires_grad=True)
-    old, adv = (
-        torch.randn(6, 5, generator=gen, dtype=torch.float64),
-        torch.randn(6, 5, generator=gen, dtype=torch.float64),
-    )
-    mask = (torch.rand(6, 5, generator=gen) > 0.4).double()
-    full, _ = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
-    (grad_full,) = torch.autograd.grad(full, logp)
-    n = float(mask.sum())
-    parts = [
-        ppo_clip_loss(
-            logp[i : i + 2],
-            old[i : i + 2],
-            adv[i : i + 2],
-            mask[i : i + 2],
-            clip_low=0.2,
-            clip_high=0.2,
-            normalizer=n,
-        )[0]
-        for i in range(0, 6, 2)
-    ]
-    (grad_parts,) = torch.autograd.grad(sum(parts), logp)
-    assert torch.allclose(grad_full, grad_parts)
+    d2 = 1.0 - 0.6
+    d1 = 0.0 + 0.9 * 0.6 - 0.4
+    d0 = 0.0 + 0.9 * 0.4 - 0.2
+    expected = [d0 + 0.72 * d1 + 0.72**2 * d2, d1 + 0.72 * d2, d2]
+    assert torch.allclose(adv[0], torch.tensor(expected, dtype=torch.float64))
+    ref_adv, ref_ret = gae_reference(rewards.tolist(), values.tolist(), [3, 1], gamma=0.9, lam=0.8)
+    assert torch.allclose(adv, torch.tensor(ref_adv, dtype=torch.float64))
+    assert torch.allclose(ret, torch.tensor(ref_ret, dtype=torch.float64))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -106,3 +107,54 @@ def test_pack_masks_prompt_and_padding(tiny_model):
         assert batch.loss_mask_NT[row, : n - 1].tolist() == traj.loss_mask[1:]
         assert batch.loss_mask_NT[row, n - 1 :].sum() == 0
         assert batch.adv_NT[row, 0] == pytest.approx([0.866, -0.866, 0.866, -0.866][row], abs=1e-3)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
+def test_every_algorithm_steps_and_changes_the_weights(tiny_model, algorithm):
+    model = copy.deepcopy(tiny_model)
+    groups = [make_group(model, [1.0, 0.0, 0.0, 1.0], seed=s) for s in range(2)]
+    cfg = TrainerConfig(
+        algorithm=algorithm, group_size=4, batch_size=8, micro_batch_size=3, lr=1e-2
+    )
+    learner = Learner(cfg, model=model, source=ListSource(groups), pad_token_id=0, temperature=1.0)
+    before = checksum(export_weights(model))
+    metrics = learner.step()
+    assert checksum(export_weights(model)) != before, algorithm
+    assert math.isfinite(metrics["learner/loss"]) and metrics["learner/grad_norm"] > 0
+    if algorithm == "ppo":
+        assert "learner/value_loss" in metrics
+
+
+def test_dapo_drops_flat_groups_and_reports_them(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    groups = [make_group(model, [1.0] * 4, seed=8), make_group(model, [1.0, 0.0, 1.0, 0.0], seed=9)]
+    cfg = TrainerConfig(algorithm="dapo", group_size=4, batch_size=8, micro_batch_size=4)
+    source = ListSource(groups)
+    learner = Learner(cfg, model=model, source=source, pad_token_id=0, temperature=1.0)
+    metrics = learner.step()
+    assert metrics["learner/dropped_groups"] == 1 and metrics["learner/trajectories"] == 4
+    assert source.acked == ["0-0", "1-0"]  # the dropped group is consumed, not left pending
+
+
+def test_ppo_value_head_learns_the_outcome(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    cfg = TrainerConfig(
+        algorithm="ppo", group_size=1, batch_size=4, micro_batch_size=4, lr=5e-2, vf_coef=1.0
+    )
+    groups = [make_group(model, [1.0], seed=20 + i) for i in range(4)] * 10
+    learner = Learner(cfg, model=model, source=ListSource(groups), pad_token_id=0, temperature=1.0)
+    losses = [learner.step()["learner/value_loss"] for _ in range(10)]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_kl_and_tis_report_their_terms(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    groups = [make_group(model, [1.0, 0.0, 0.0, 1.0], seed=30)] * 2
+    cfg = TrainerConfig(
+        group_size=4, batch_size=4, micro_batch_size=4, lr=1e-2, kl_coef=0.1, tis_cap=2.0
+    )
+    learner = Learner(cfg, model=model, source=ListSource(groups), pad_token_id=0, temperature=1.0)
+    first, second = learner.step(), learner.step()
+    assert first["learner/ref_kl"] == pytest.approx(0.0, abs=1e-6)  # nothing moved yet
+    assert second["learner/ref_kl"] > 0
+    assert first["learner/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy

@@ -26,10 +26,24 @@ def test_interval_is_clustered_by_task():
 
 
 def test_rollout_metrics_add_up_workers():
-    base = {"episodes": 4, "successes": 2, "reward_sum": 2.0, "reward_sq_sum": 2.0, "turns": 8,
-            "tool_calls": 4, "tool_errors": 1, "parse_errors": 0, "episodes_with_tool_call": 4,
-            "generated_tokens": 100, "truncated": 0, "errors": 0, "seconds": 2.0}
-    m = rollout_metrics([base, dict(base, successes=4, reward_sum=4.0, reward_sq_sum=4.0, seconds=4.0)])
+    base = {
+        "episodes": 4,
+        "successes": 2,
+        "reward_sum": 2.0,
+        "reward_sq_sum": 2.0,
+        "turns": 8,
+        "tool_calls": 4,
+        "tool_errors": 1,
+        "parse_errors": 0,
+        "episodes_with_tool_call": 4,
+        "generated_tokens": 100,
+        "truncated": 0,
+        "errors": 0,
+        "seconds": 2.0,
+    }
+    m = rollout_metrics(
+        [base, dict(base, successes=4, reward_sum=4.0, reward_sq_sum=4.0, seconds=4.0)]
+    )
     assert m["rollout/success_rate"] == 0.75 and m["reward/mean"] == 0.75
     assert m["rollout/tool_error_rate"] == 0.25 and m["rollout/tokens_per_s"] == 50.0
 

@@ -19,8 +19,13 @@ pytestmark = pytest.mark.distributed
 def local_ray():
     here = Path(__file__).resolve()
     path = f"{here.parent}:{here.parents[2]}"  # so Ray workers can import this module's classes
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 * 2**20,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
     yield
     ray.shutdown()
 
@@ -37,7 +42,9 @@ class Exporter:
 
 class PolicyHost:
     def __init__(self, delay: float = 0.0):
-        self.policy = HFPolicy(build_model("qwen3", TINY_MODEL, vocab_size=300, seed=2), pad_token_id=0)
+        self.policy = HFPolicy(
+            build_model("qwen3", TINY_MODEL, vocab_size=300, seed=2), pad_token_id=0
+        )
         self.delay = delay
 
     def load_weights(self, package):

@@ -1,0 +1,148 @@
+"""Attention Residuals (AttnRes), exactly as Kimi K3 implements them (block variant).
+
+Reference: /work/shared/reference/k3-architecture.md sec. 4.3 (arXiv 2603.15031; Moonshot
+`_apply_attn_res`, `KimiDecoderLayer._forward_attn_residual`). Instead of the plain residual
+h_l = h_{l-1} + f(h_{l-1}), each sub-layer input is a softmax-weighted mix, over depth, of
+stored sources:
+
+    V    = [b_0, ..., b_{n-1}, P]             b_0 = embedding, b_i = finished block sums,
+                                              P = running sum of the current block's outputs
+    Khat = V / sqrt(mean(V^2) + eps)          (RMS-normalised sources, no weight)
+    w    = norm.weight * proj.weight          (effective pseudo-query, [D])
+    h    = sum_j softmax_j(Khat_j . w) V_j    (fp32 inside, cast back)
+
+A block closes every `block_size` transformer layers, at the start of layers 0, S, 2S, ...;
+after L layers ceil(L / S) sources are stored (K3: 93 layers, S = 12 -> 8).
+
+How a decoder layer uses it (l = 0-based layer index, S = attn_res_block_size):
+
+    state = AttnResState.start(embedding)           # once, before layer 0
+    # per layer:
+    h = self.self_attention_res(state)              # AttnRes module; identity if no blocks
+    if closes_block(l, S):
+        state = state.close_block()
+    a, kv_cache = self.self_attn(self.input_layernorm(h), cache=kv_cache, mask=mask)
+    state = state.add(a)
+    h = self.mlp_res(state)
+    state = state.add(self.mlp(self.post_attention_layernorm(h)))
+    # after the last layer:
+    h = final_norm(self.output_attn_res(state)); logits = lm_head(h)
+
+`attn_res_layer` below runs exactly that sequence with callables; K3 checkpoint tensors
+`model.layers.{l}.self_attention_res_proj.weight` [1, D] / `..._res_norm.weight` [D] map to
+`<module>.proj.weight` / `<module>.norm.weight` of an `AttnRes`.
+
+Letters: B batch, T time, D hidden size, J stored sources + 1 (the partial sum).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+def attn_res(
+    partial_BTD: Tensor,
+    blocks: list[Tensor],
+    proj_weight: Tensor,
+    norm_weight_D: Tensor,
+    eps: float,
+) -> Tensor:
+    """Mix `blocks` ([B, T, D] each) and `partial_BTD` with softmax weights over sources.
+
+    proj_weight: [1, D] or [D]; norm_weight_D: [D]. Token-local: no mixing along B or T.
+    Computes in (at least) fp32 and returns partial's dtype.
+    """
+    dtype = torch.promote_types(partial_BTD.dtype, torch.float32)
+    values_BTJD = torch.stack([*blocks, partial_BTD], dim=-2).to(dtype)
+    keys_BTJD = values_BTJD * torch.rsqrt(values_BTJD.pow(2).mean(-1, keepdim=True) + eps)
+    query_D = norm_weight_D.to(dtype) * proj_weight.to(dtype).reshape(-1)
+    weights_BTJ = torch.softmax(keys_BTJD @ query_D, dim=-1)
+    return (weights_BTJ[..., None] * values_BTJD).sum(-2).to(partial_BTD.dtype)
+
+
+@dataclass(frozen=True)
+class AttnResState:
+    """Residual-stream bookkeeping that replaces the plain residual h across decoder layers.
+
+    blocks: stored sources, each [B, T, D]: the embedding, then each finished block's sum.
+    partial: running sum of the current block's sub-layer outputs ([B, T, D]); it is the
+    embedding before layer 0 and None right after a block closes (until the next `add`).
+    Immutable: methods return new states (safe with activation checkpointing).
+    """
+
+    blocks: tuple[Tensor, ...]
+    partial: Tensor | None
+
+    @classmethod
+    def start(cls, embedding_BTD: Tensor) -> AttnResState:
+        return cls(blocks=(), partial=embedding_BTD)
+
+    def close_block(self) -> AttnResState:
+        """Store the running sum as a source and start a new block."""
+        assert self.partial is not None, "close_block twice without add()"
+        return AttnResState(blocks=(*self.blocks, self.partial), partial=None)
+
+    def add(self, out_BTD: Tensor) -> AttnResState:
+        """Add a sub-layer output to the running in-block sum."""
+        partial = out_BTD if self.partial is None else self.partial + out_BTD
+        return AttnResState(blocks=self.blocks, partial=partial)
+
+
+def closes_block(layer_idx: int, block_size: int) -> bool:
+    """True if a block closes at the start of transformer layer `layer_idx` (0-based)."""
+    return layer_idx % block_size == 0
+
+
+def num_stored_sources(num_layers: int, block_size: int) -> int:
+    """Stored sources after `num_layers` layers: ceil(L / S) (embedding + finished blocks)."""
+    return math.ceil(num_layers / block_size)
+
+
+class AttnRes(nn.Module):
+    """One AttnRes site: proj (Linear(D, 1), no bias) and norm (RMSNorm weight) parameters.
+
+    Both are zero/one initialised like K3's pseudo-queries: proj.weight = 0 -> uniform mean.
+    Only norm.weight is used (it scales the pseudo-query); the sources are normalised without it.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, 1, bias=False)
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        nn.init.zeros_(self.proj.weight)
+        self.eps = eps
+
+    def forward(self, state: AttnResState) -> Tensor:
+        """Input of the next sub-layer; the partial sum itself when no block is stored yet."""
+        assert state.partial is not None, "AttnRes needs a partial sum (call add() first)"
+        if not state.blocks:
+            return state.partial
+        return attn_res(
+            state.partial, list(state.blocks), self.proj.weight, self.norm.weight, self.eps
+        )
+
+
+def attn_res_layer(
+    state: AttnResState,
+    *,
+    layer_idx: int,
+    block_size: int,
+    attn_res_in: AttnRes,
+    mixer: Callable[[Tensor], Tensor],
+    attn_res_mid: AttnRes,
+    ffn: Callable[[Tensor], Tensor],
+) -> AttnResState:
+    """One K3 decoder layer's residual flow; mixer/ffn include their own pre-norms.
+
+    mixer(h) = self_attn(input_layernorm(h)), ffn(h) = mlp(post_attention_layernorm(h)).
+    """
+    h_BTD = attn_res_in(state)
+    if closes_block(layer_idx, block_size):
+        state = state.close_block()
+    state = state.add(mixer(h_BTD))
+    return state.add(ffn(attn_res_mid(state)))

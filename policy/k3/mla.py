@@ -1,0 +1,193 @@
+"""Gated Multi-head Latent Attention with NoPE (Kimi Linear / Kimi K3 full-attention layers).
+
+Reference: /work/shared/reference/k3-architecture.md sec. 3 (DeepSeek-V2/V3 MLA; transformers
+`KimiLinearAttention`; K3 output gate). No rotary embedding anywhere: the "rope" slice of q and
+the shared k_rope still exist and take part in the dot product, they are just never rotated.
+
+    q            = W_q x                     or  W_qb RMSNorm(W_qa x)      -> [q_nope | q_rope]
+    [c_kv | k_r] = W_kva x;  c_kv <- RMSNorm(c_kv)                         (cached: R + E per token)
+    [k_nope | v] = W_kvb c_kv  per head;  k = [k_nope | k_r shared by all heads]
+    o            = softmax((q . k) * (Dn + E)^-0.5 + causal/padding mask) @ v
+    y            = W_o (o * sigmoid(W_g x))                                 (K3 gate, full rank)
+
+Two paths share the weights: `naive` materialises per-head k and v; `absorbed` folds W_kvb into
+the query and the output and attends in the latent space (the decode path).
+
+Letters:
+    B batch, T new tokens, S cached + new tokens (keys), H heads, D hidden size,
+    Dn = qk_nope_head_dim, E = qk_rope_head_dim, Q = Dn + E, Dv = v_head_dim,
+    R = kv_lora_rank, L = R + E latent width per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) computed in fp32, cast back, times weight (HF convention)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+@dataclass
+class MLACache:
+    """Latent KV cache of one MLA layer: exactly R + E values per token.
+
+    latent: [B, S, R + E] = [RMSNorm(c_kv) | k_rope] per token (what the absorbed path reads).
+    key_mask: [B, S] bool, False for padding positions (left padding), never attended to.
+    """
+
+    latent: Tensor
+    key_mask: Tensor
+
+    @property
+    def length(self) -> int:
+        return self.latent.shape[1]
+
+    def append(self, latent_BTL: Tensor, mask_BT: Tensor | None = None) -> MLACache:
+        """Return a new cache with T tokens appended (mask None = all real)."""
+        if mask_BT is None:
+            mask_BT = torch.ones(latent_BTL.shape[:2], dtype=torch.bool, device=latent_BTL.device)
+        latent = torch.cat([self.latent, latent_BTL.to(self.latent.dtype)], dim=1)
+        return MLACache(latent, torch.cat([self.key_mask, mask_BT.bool()], dim=1))
+
+
+class GatedMLA(nn.Module):
+    """MLA with NoPE and K3's sigmoid output gate; parameter names follow transformers/DeepSeek."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        output_gate: bool = True,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.scaling = self.qk_head_dim**-0.5
+        q_size = num_heads * self.qk_head_dim
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, q_size, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, q_size, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False
+        )
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
+        self.kv_b_proj = nn.Linear(
+            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False
+        )
+        if output_gate:
+            self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+
+    def query(self, x_BTD: Tensor) -> Tensor:
+        """Per-head queries [B, T, H, Q] (no rotation)."""
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        return q.unflatten(-1, (self.num_heads, self.qk_head_dim))
+
+    def latent(self, x_BTD: Tensor) -> Tensor:
+        """What the cache stores per token: [RMSNorm(c_kv) | k_rope], [B, T, R + E]."""
+        c_kv_BTR, k_rope_BTE = self.kv_a_proj_with_mqa(x_BTD).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        return torch.cat([self.kv_a_layernorm(c_kv_BTR), k_rope_BTE], dim=-1)
+
+    def attend_naive(self, q_BTHQ: Tensor, latent_BSL: Tensor, allowed_BTS: Tensor) -> Tensor:
+        """Reference path: expand the latent to per-head keys and values. -> [B, T, H, Dv]."""
+        c_kv_BSR, k_rope_BSE = latent_BSL.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        kv_BSHX = self.kv_b_proj(c_kv_BSR).unflatten(-1, (self.num_heads, -1))
+        k_nope_BSHN, v_BSHV = kv_BSHX.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_rope_BSHE = k_rope_BSE[:, :, None, :].expand(-1, -1, self.num_heads, -1)
+        k_BSHQ = torch.cat([k_nope_BSHN, k_rope_BSHE], dim=-1)
+        scores_BHTS = torch.einsum("bthq,bshq->bhts", q_BTHQ, k_BSHQ) * self.scaling
+        p_BHTS = _masked_softmax(scores_BHTS, allowed_BTS).to(v_BSHV.dtype)
+        return torch.einsum("bhts,bshv->bthv", p_BHTS, v_BSHV)
+
+    def attend_absorbed(self, q_BTHQ: Tensor, latent_BSL: Tensor, allowed_BTS: Tensor) -> Tensor:
+        """Decode path: W_UK folded into q, W_UV applied after attending over c_kv.
+
+        -> [B, T, H, Dv]. Same weights and result as `attend_naive` (tested to 1e-10 in fp64).
+        """
+        c_kv_BSR, k_rope_BSE = latent_BSL.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        q_nope_BTHN, q_rope_BTHE = q_BTHQ.split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
+        w_HXR = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))
+        w_uk_HNR, w_uv_HVR = w_HXR.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        q_lat_BTHR = torch.einsum("bthn,hnr->bthr", q_nope_BTHN, w_uk_HNR)
+        scores_BHTS = torch.einsum("bthr,bsr->bhts", q_lat_BTHR, c_kv_BSR)
+        scores_BHTS = scores_BHTS + torch.einsum("bthe,bse->bhts", q_rope_BTHE, k_rope_BSE)
+        p_BHTS = _masked_softmax(scores_BHTS * self.scaling, allowed_BTS).to(c_kv_BSR.dtype)
+        o_lat_BTHR = torch.einsum("bhts,bsr->bthr", p_BHTS, c_kv_BSR)
+        return torch.einsum("bthr,hvr->bthv", o_lat_BTHR, w_uv_HVR)
+
+    def forward(
+        self,
+        hidden_BTD: Tensor,
+        *,
+        cache: MLACache | None = None,
+        mask: Tensor | None = None,
+        absorbed: bool | None = None,
+    ) -> tuple[Tensor, MLACache]:
+        """hidden [B, T, D] -> (out [B, T, D], cache with the T new tokens appended).
+
+        mask [B, T] (1 = real token) marks padding among the new tokens; padded keys are never
+        attended to and padded queries output zero. The new tokens sit at positions
+        cache.length .. cache.length + T - 1 for the causal mask. absorbed: None -> absorbed for
+        T == 1 (decode), naive otherwise.
+        """
+        batch, length, _ = hidden_BTD.shape
+        if cache is None:
+            empty = hidden_BTD.new_zeros(batch, 0, self.kv_lora_rank + self.qk_rope_head_dim)
+            cache = MLACache(empty, torch.ones(batch, 0, dtype=torch.bool, device=empty.device))
+        past = cache.length
+        cache = cache.append(self.latent(hidden_BTD), mask)
+        rows_T = torch.arange(past, past + length, device=hidden_BTD.device)
+        causal_TS = torch.arange(cache.length, device=rows_T.device)[None, :] <= rows_T[:, None]
+        allowed_BTS = causal_TS[None] & cache.key_mask[:, None, :]
+        if absorbed is None:
+            absorbed = length == 1
+        attend = self.attend_absorbed if absorbed else self.attend_naive
+        o_BTHV = attend(self.query(hidden_BTD), cache.latent, allowed_BTS)
+        if mask is not None:
+            o_BTHV = o_BTHV * mask.to(o_BTHV.dtype)[:, :, None, None]
+        if hasattr(self, "g_proj"):
+            gate_BTHV = torch.sigmoid(self.g_proj(hidden_BTD)).unflatten(-1, (self.num_heads, -1))
+            o_BTHV = o_BTHV * gate_BTHV
+        return self.o_proj(o_BTHV.flatten(-2)), cache
+
+
+def _masked_softmax(scores_BHTS: Tensor, allowed_BTS: Tensor) -> Tensor:
+    """Softmax over keys in (at least) fp32.
+
+    Disallowed keys get the dtype's min, not -inf, so a fully masked row (a padded query) stays
+    finite, in value and gradient; the caller zeroes its output.
+    """
+    scores = scores_BHTS.to(torch.promote_types(scores_BHTS.dtype, torch.float32))
+    scores = scores.masked_fill(~allowed_BTS[:, None], torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1)

@@ -1,0 +1,144 @@
+"""Atomic, pickle-free checkpoints.
+
+A checkpoint is a directory `checkpoints/step-000012/` holding tensors in safetensors files and
+everything else in JSON; it is written under a temporary name, every file and the directory are
+fsynced, then it is renamed into place and `checkpoints/latest` (a one-line text file, itself
+replaced atomically) names it. A directory without its `manifest.json` (written last) or with a
+file whose SHA-256 differs from the manifest is never loaded: resuming from it is an error, never
+a silent restart from step 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+class CheckpointError(RuntimeError):
+    """A missing, incomplete or corrupt checkpoint (the message says which and why)."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def write_json(path: Path, data: Any) -> None:
+    _write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    """A fresh temporary directory to fill; `commit` makes it the checkpoint of `step`."""
+    tmp = root / f".tmp-step-{step:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(root: Path, tmp: Path, step: int) -> Path:
+    """Manifest (hashes of every file) last, fsync, rename into place, then point `latest` at it."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+    write_json(tmp / "manifest.json", manifest)
+    for directory in {p.parent for p in files} | {tmp}:
+        _fsync_dir(directory)
+    final = root / f"step-{step:06d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    latest_tmp = root / ".latest.tmp"
+    _write_bytes(latest_tmp, final.name.encode())
+    os.replace(latest_tmp, root / "latest")
+    _fsync_dir(root)
+    return final
+
+
+def latest(root: Path) -> Path:
+    """The newest committed checkpoint, verified; CheckpointError if there is none or it is bad."""
+    pointer = root / "latest"
+    if not pointer.is_file():
+        raise CheckpointError(f"no checkpoint in {root} (no 'latest' file): cannot resume")
+    path = root / pointer.read_text().strip()
+    verify(path)
+    return path
+
+
+def verify(path: Path) -> dict:
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} is incomplete (no manifest.json): refusing to load it")
+    manifest = json.loads(manifest_path.read_text())
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        if _sha256(file) != expected:
+            raise CheckpointError(f"{path}: {name} is corrupt (SHA-256 mismatch)")
+    return manifest
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer's state as (named tensors, JSON metadata): no pickle."""
+    state = optimizer.state_dict()
+    tensors, meta = {}, {"param_groups": state["param_groups"], "state": {}}
+    for index, entry in state["state"].items():
+        meta["state"][str(index)] = {}
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}.{key}"] = value
+            else:
+                meta["state"][str(index)][key] = value
+    return tensors, meta
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict
+) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for index, scalars in meta["state"].items():
+        state[int(index)] = dict(scalars)
+    for name, tensor in tensors.items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = tensor
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
