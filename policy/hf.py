@@ -57,6 +57,21 @@ def checksum(weights: dict[str, np.ndarray]) -> int:
     return crc
 
 
+def bucketize(weights: dict[str, np.ndarray], bucket_bytes: int) -> list[list[str]]:
+    """Group parameter names (in a fixed order) into buckets of about `bucket_bytes` each, so a
+    push streams bounded chunks instead of one object the size of the model."""
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(weights):
+        nbytes = weights[name].nbytes
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return buckets
+
+
 def import_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
     """Copy arrays into the model in place (strict: names and shapes must match)."""
     state = model.state_dict()

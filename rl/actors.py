@@ -16,6 +16,7 @@ import ray
 from policy.sampling import SamplingParams
 from rl.build import build_learner, build_worker
 from rl.config import RunConfig
+from rl.weights import Manifest, Publisher, Receiver, connect_broadcast
 from rollout.worker import Task
 
 
@@ -31,6 +32,7 @@ class WorkerHost:
         _quiet()
         self.index = index
         self.worker = build_worker(cfg, Path(model_dir), redis_url, run_id, index)
+        self.receiver = Receiver(self.worker.policy.load_weights)
 
     def collect(
         self, tasks: list[Task], group_size: int, sampling: SamplingParams, seed: int
@@ -44,10 +46,16 @@ class WorkerHost:
         self.worker.policy.reseed(seeds[0] if seeds else 0)
         return self.worker.evaluate(seeds, samples, sampling)
 
-    def load_weights(self, package: tuple) -> int:
-        version, weights, expected = package
-        self.worker.policy.load_weights(version, weights, expected)
-        return version
+    def receive_object_store(self, manifest: Manifest, refs: list) -> int:
+        return self.receiver.receive_object_store(manifest, refs)
+
+    def join_broadcast(
+        self, address: str, port: int, rank: int, world: int, timeout_s: float
+    ) -> None:
+        self.receiver.join(address, port, rank, world, timeout_s)
+
+    def receive_broadcast(self, manifest: Manifest) -> int:
+        return self.receiver.receive_broadcast(manifest)
 
     def version(self) -> int:
         return self.worker.policy.version
@@ -57,6 +65,7 @@ class LearnerHost:
     def __init__(self, cfg: RunConfig, model_dir: str, redis_url: str, run_id: str):
         _quiet()
         self.learner = build_learner(cfg, Path(model_dir), redis_url, run_id)
+        self.publisher = Publisher(self.learner.export, bucket_mb=cfg.weights.bucket_mb)
 
     def pid(self) -> int:
         return os.getpid()
@@ -70,6 +79,21 @@ class LearnerHost:
 
     def export(self) -> tuple:
         return self.learner.export()
+
+    def publish(self) -> tuple:
+        return self.publisher.publish()
+
+    def open_broadcast(self) -> tuple[str, int]:
+        return self.publisher.open_broadcast()
+
+    def join_broadcast(self, address: str, port: int, world: int, timeout_s: float) -> None:
+        self.publisher.join(address, port, world, timeout_s)
+
+    def prepare_broadcast(self) -> Manifest:
+        return self.publisher.prepare_broadcast()
+
+    def broadcast(self) -> None:
+        self.publisher.broadcast()
 
     def save_model(self, path: str) -> None:
         self.learner.model.save_pretrained(path)
@@ -104,4 +128,6 @@ def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     ]
     learner = learner.remote(cfg, str(model_dir), redis_url, run_id)
     ray.get([w.version.remote() for w in workers])  # surface constructor errors now
+    if cfg.weights.transport == "broadcast":
+        connect_broadcast(learner, workers, timeout_s=cfg.weights.push_timeout_s)
     return learner, workers

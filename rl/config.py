@@ -303,6 +303,20 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WeightsConfig:
+    transport: Literal["object_store", "broadcast"] = "object_store"
+    """object_store: buckets as Ray objects (shared memory on a node); broadcast: a gloo group."""
+    bucket_mb: float = 64.0
+    """Size of one bucket of a push."""
+    push_timeout_s: float = 120.0
+    """A push not acknowledged by every worker within this time is an error naming them."""
+
+    def __post_init__(self) -> None:
+        _positive("bucket_mb", self.bucket_mb)
+        _positive("push_timeout_s", self.push_timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     name: str = "run"
     seed: int = 0
@@ -310,8 +324,6 @@ class RunConfig:
     """Run directories are created under here: <output_dir>/<name>-<timestamp>/."""
     checkpoint_every: int = 10
     """Write an atomic checkpoint every this many steps and at the end (0: only at the end)."""
-    weight_push_timeout_s: float = 120.0
-    """A weight push not acknowledged by every worker within this time is an error."""
     ray: RayConfig = field(default_factory=RayConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -322,11 +334,11 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
             raise ConfigError("name", f"use letters, digits, '.', '_' or '-'; got {self.name!r}")
-        _positive("weight_push_timeout_s", self.weight_push_timeout_s)
         _positive("checkpoint_every", self.checkpoint_every, zero_ok=True)
 
 

@@ -118,7 +118,9 @@ def restore(
     discarded = ray.get(
         learner.load_checkpoint.remote(str(checkpoint), rng=resume.rng, stream=resume.stream)
     )
-    push_weights(learner, workers, timeout_s=cfg.weight_push_timeout_s)
+    push_weights(
+        learner, workers, timeout_s=cfg.weights.push_timeout_s, transport=cfg.weights.transport
+    )
     dropped = truncate_metrics(run_dir, state.step)
     say(
         f"resumed from {checkpoint.name}: step {state.step}; {discarded} stream entries and "
@@ -151,8 +153,15 @@ def rl_train(
         )
         metrics = rollout_metrics(stats)
         metrics.update(ray.get(learner.step.remote()))
-        _, metrics["weights/push_seconds"] = push_weights(
-            learner, workers, timeout_s=cfg.weight_push_timeout_s
+        push = push_weights(
+            learner, workers, timeout_s=cfg.weights.push_timeout_s, transport=cfg.weights.transport
+        )
+        metrics.update(
+            {
+                "weights/push_seconds": push["seconds"],
+                "weights/push_gb_per_s": push["gb_per_s"],
+                "weights/push_mb": push["bytes"] / 2**20,
+            }
         )
         alarm = detector.update(metrics["rollout/success_rate"])
         metrics["health/collapsed"] = float(detector.collapsed)

@@ -173,6 +173,8 @@ def test_a_run_file_switches_algorithms(tmp_path, algorithm):
         "eval.tasks=0",
         "rollout.num_workers=1",
     ]
+    if algorithm == "ppo":  # also covers the broadcast weight transport end to end
+        overrides.append("weights.transport=broadcast")
     proc = subprocess.run(
         [
             sys.executable,
