@@ -48,7 +48,8 @@ def prepare_policy(cfg: RunConfig, run_dir: Path) -> Path:
     """The directory the policy starts from: `policy.path`, or a fresh model + tokenizer."""
     if cfg.policy.path is not None:
         return Path(cfg.policy.path)
-    demos = expert_demonstrations(cfg, 400, error_rate=0.5, seed=cfg.seed + 7919)
+    count = cfg.policy.tokenizer_demonstrations
+    demos = expert_demonstrations(cfg, count, error_rate=0.5, seed=cfg.seed + 7919)
     corpus = render_conversations((d.messages, d.tools) for d in demos) + ERROR_SAMPLES
     tokenizer = build_tokenizer(corpus, vocab_size=cfg.policy.vocab_size)
     model = build_model(

@@ -120,9 +120,12 @@ class PolicyConfig:
     """Model config fields (hidden_size, num_hidden_layers, ...) for a fresh model."""
     vocab_size: int = 768
     """Vocabulary of the tokenizer built offline for a fresh model."""
+    tokenizer_demonstrations: int = 400
+    """Expert episodes rendered as the tokenizer's training text (fresh models only)."""
 
     def __post_init__(self) -> None:
         _positive("vocab_size", self.vocab_size)
+        _positive("tokenizer_demonstrations", self.tokenizer_demonstrations)
 
 
 @dataclass(kw_only=True, slots=True)

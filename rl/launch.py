@@ -171,6 +171,8 @@ def services(cfg: RunConfig, run_dir: Path) -> Iterator[Services]:
         client = redis.Redis.from_url(url)
         client.ping()
         start_ray(cfg.ray)
+        # after ray.init: Ray installs a C++ SIGTERM handler that aborts without cleanup
+        signal.signal(signal.SIGTERM, _raise_interrupt)
         yield Services(redis_url=url, redis=client)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip cleanup

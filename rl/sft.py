@@ -13,7 +13,7 @@ from pathlib import Path
 
 import gymnasium
 
-from envs import demonstrate, make_expert
+from envs import demonstrate, ensure_registered, make_expert
 from rl.config import RunConfig
 from rollout.demos import render_demonstration
 from rollout.render import ChatRenderer
@@ -22,6 +22,7 @@ DEMO_SEED_OFFSET = 2_000_000_000  # demonstrations, training and evaluation draw
 
 
 def expert_demonstrations(cfg: RunConfig, count: int, *, error_rate: float, seed: int):
+    ensure_registered(cfg.env.id, cfg.env.entry_point)  # a run file's env.entry_point
     env = gymnasium.make(cfg.env.id, **cfg.env.kwargs)
     expert = make_expert(cfg.env.id, error_rate=error_rate, seed=seed)
     demos = [

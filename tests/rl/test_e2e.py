@@ -130,7 +130,8 @@ def test_train_runs_end_to_end(tmp_path):
     assert not alive(started), "processes outlived the run"
 
 
-def test_ctrl_c_leaves_no_ray_or_redis_behind(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_leaves_no_ray_or_redis_behind(tmp_path, sig):
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -156,7 +157,10 @@ def test_ctrl_c_leaves_no_ray_or_redis_behind(tmp_path):
     assert "step   1/500" in seen, seen[-3000:]
     started = descendants(proc.pid)
     assert len(started) >= 3, "expected the run's Redis, Ray and actor processes to be up"
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole process group
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C sends: the whole process group
+    else:
+        os.kill(proc.pid, sig)  # what a scheduler or `kill` sends: the main process only
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, (seen + rest)[-3000:]
     assert "interrupted" in rest
