@@ -66,3 +66,20 @@ def token_logprobs(
     return head_logprobs(
         model, hidden_BTD, input_ids_BT[:, 1:], temperature=temperature, chunk=chunk
     )
+
+
+class TokenLogprobs(torch.nn.Module):
+    """`policy` as one module whose forward returns (logprobs, entropy, hidden) for every next
+    token. Sharded training wraps this module, not the bare causal LM: calling the decoder and
+    the LM head separately would bypass the root's all-gather of the embedding and head."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, input_ids_BT, attention_mask_BT, temperature: float = 1.0, chunk: int = 1024):
+        hidden_BTD = decoder_hidden(self.policy, input_ids_BT, attention_mask_BT)
+        logp_BT, entropy_BT = head_logprobs(
+            self.policy, hidden_BTD, input_ids_BT[:, 1:], temperature=temperature, chunk=chunk
+        )
+        return logp_BT, entropy_BT, hidden_BTD

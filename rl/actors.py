@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from pathlib import Path
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from transformers import AutoModelForCausalLM
 
+from policy.hf import import_weights
 from policy.sampling import SamplingParams
 from rl.build import build_learner, build_worker
 from rl.config import RunConfig
+from rl.distributed import Shard, init_group
 from rl.weights import Manifest, Publisher, Receiver, connect_broadcast
 from rollout.worker import Task
 
@@ -62,10 +68,43 @@ class WorkerHost:
 
 
 class LearnerHost:
-    def __init__(self, cfg: RunConfig, model_dir: str, redis_url: str, run_id: str):
+    """One learner rank. Rank 0 is the handle the driver uses: for every collective call it
+    first starts the same call on its followers (ranks 1..W-1), then does its own part."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model_dir: str,
+        redis_url: str,
+        run_id: str,
+        rank: int = 0,
+        world: int = 1,
+    ):
         _quiet()
-        self.learner = build_learner(cfg, Path(model_dir), redis_url, run_id)
-        self.publisher = Publisher(self.learner.export, bucket_mb=cfg.weights.bucket_mb)
+        self.args = (cfg, Path(model_dir), redis_url, run_id)
+        self.shard = Shard(rank, world, cfg.trainer.expert_parallel)
+        self.followers: list = []
+        self.learner = None
+        self.publisher = Publisher(self._export_all, bucket_mb=cfg.weights.bucket_mb)
+        if world == 1:
+            self.setup()
+
+    def rendezvous(self) -> tuple[str, int]:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+    def setup(self, address: str | None = None, port: int | None = None) -> None:
+        cfg = self.args[0]
+        if self.shard.world > 1:
+            init_group(address, port, self.shard.rank, self.shard.world, cfg.weights.push_timeout_s)
+        self.learner = build_learner(*self.args, shard=self.shard)
+
+    def attach(self, followers: list) -> None:
+        self.followers = followers
+
+    def _fan_out(self, name: str, *args, **kwargs) -> list:
+        return [getattr(f, name).remote(*args, **kwargs) for f in self.followers]
 
     def pid(self) -> int:
         return os.getpid()
@@ -75,10 +114,19 @@ class LearnerHost:
         # process when that step begins (its rollouts are already in the stream).
         if os.environ.get("AGENTRL_FAULT_KILL_LEARNER_AT") == str(self.learner.version + 1):
             os.kill(os.getpid(), signal.SIGKILL)
-        return self.learner.step()
+        pending = self._fan_out("step")
+        metrics = self.learner.step()
+        ray.get(pending)
+        return metrics
 
     def export(self) -> tuple:
         return self.learner.export()
+
+    def _export_all(self) -> tuple:
+        pending = self._fan_out("export")
+        result = self.learner.export()
+        ray.get(pending)
+        return result
 
     def publish(self) -> tuple:
         return self.publisher.publish()
@@ -96,29 +144,76 @@ class LearnerHost:
         self.publisher.broadcast()
 
     def save_model(self, path: str) -> None:
-        self.learner.model.save_pretrained(path)
+        """The full (unsharded) policy as a transformers directory."""
+        if self.shard.world == 1:
+            self.learner.model.save_pretrained(path)
+            return
+        _, weights, _ = self._export_all()
+        model = AutoModelForCausalLM.from_config(self.learner.model.config)
+        import_weights(model, weights)
+        model.save_pretrained(path)
 
     def save_checkpoint(self, path: str) -> str:
+        pending = self._fan_out("save_checkpoint", path)
         self.learner.save(Path(path))
+        ray.get(pending)
         return self.learner.last_acked
 
     def load_checkpoint(self, path: str, *, rng: bool = True, stream: bool = True) -> int:
-        """Restore the learner; forget stream entries produced after the checkpoint."""
+        """Restore every rank; forget stream entries produced after the checkpoint."""
+        pending = self._fan_out("load_checkpoint", path, rng=rng, stream=False)
         self.learner.load(Path(path), rng=rng)
-        return self.learner.source.skip_to_end(self.learner.last_acked) if stream else 0
+        ray.get(pending)
+        if stream and self.shard.leader:
+            return self.learner.source.skip_to_end(self.learner.last_acked)
+        return 0
+
+
+def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
+    """Rank 0's handle; with world_size > 1 the ranks share one placement group and form one
+    torch.distributed group before any model is built."""
+    t = cfg.trainer
+    remote = ray.remote(num_cpus=t.cpus)(LearnerHost)
+    args = (cfg, str(model_dir), redis_url, run_id)
+    if t.world_size == 1:
+        return remote.options(name=f"{run_id}-learner").remote(*args)
+    pg = placement_group([{"CPU": t.cpus}] * t.world_size, strategy="PACK")
+    if not pg.wait(timeout_seconds=t.placement_timeout_s):
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"could not place {t.world_size} learner ranks x {{CPU: {t.cpus:g}}} within "
+            f"{t.placement_timeout_s:g} s: the cluster has "
+            f"{ray.cluster_resources().get('CPU', 0):g} CPUs, "
+            f"{ray.available_resources().get('CPU', 0):g} free; lower trainer.world_size or "
+            f"trainer.cpus, or add nodes"
+        )
+    ranks = [
+        remote.options(
+            name=f"{run_id}-learner-{r}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=r
+            ),
+        ).remote(*args, rank=r, world=t.world_size)
+        for r in range(t.world_size)
+    ]
+    address, port = ray.get(ranks[0].rendezvous.remote())
+    ray.get([r.setup.remote(address, port) for r in ranks])
+    ray.get(ranks[0].attach.remote(ranks[1:]))
+    return ranks[0]
 
 
 def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     """One learner and `rollout.num_workers` workers, after checking the cluster can hold them."""
-    need = cfg.trainer.cpus + cfg.rollout.num_workers * cfg.rollout.cpus_per_worker
+    t = cfg.trainer
+    need = t.world_size * t.cpus + cfg.rollout.num_workers * cfg.rollout.cpus_per_worker
     have = ray.cluster_resources().get("CPU", 0.0)
     if need > have:
         raise RuntimeError(
             f"the Ray cluster has {have:g} CPUs but the run needs {need:g} "
-            f"(trainer.cpus={cfg.trainer.cpus:g} + rollout.num_workers={cfg.rollout.num_workers} x "
+            f"(trainer.world_size={t.world_size} x trainer.cpus={t.cpus:g} + "
+            f"rollout.num_workers={cfg.rollout.num_workers} x "
             f"rollout.cpus_per_worker={cfg.rollout.cpus_per_worker:g}); lower them or add nodes"
         )
-    learner = ray.remote(num_cpus=cfg.trainer.cpus)(LearnerHost).options(name=f"{run_id}-learner")
     worker_cls = ray.remote(num_cpus=cfg.rollout.cpus_per_worker)(WorkerHost)
     workers = [
         worker_cls.options(name=f"{run_id}-worker-{i}").remote(
@@ -126,7 +221,7 @@ def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
         )
         for i in range(cfg.rollout.num_workers)
     ]
-    learner = learner.remote(cfg, str(model_dir), redis_url, run_id)
+    learner = start_learner(cfg, model_dir, redis_url, run_id)
     ray.get([w.version.remote() for w in workers])  # surface constructor errors now
     if cfg.weights.transport == "broadcast":
         connect_broadcast(learner, workers, timeout_s=cfg.weights.push_timeout_s)

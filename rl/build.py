@@ -17,6 +17,7 @@ from policy.sampling import SamplingParams
 from policy.tokenizer import build_tokenizer, render_conversations
 from reward import build_reward
 from rl.config import RolloutConfig, RunConfig
+from rl.distributed import Shard
 from rl.learner import Learner
 from rl.sft import expert_demonstrations
 from rollout.episode import EpisodeLimits
@@ -97,16 +98,22 @@ def build_worker(
     )
 
 
-def build_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str) -> Learner:
+def build_learner(
+    cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str, shard: Shard | None = None
+) -> Learner:
+    """A learner rank; only rank 0 reads (and acks) the trajectory stream."""
+    shard = shard or Shard()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.threads)
     tokenizer = load_tokenizer(model_dir)
-    reader = RedisGroupReader(
-        redis.Redis.from_url(redis_url),
-        stream_names(run_id)["trajectories"],
-        group="learner",
-        consumer="learner-0",
-    )
+    reader = None
+    if shard.leader:
+        reader = RedisGroupReader(
+            redis.Redis.from_url(redis_url),
+            stream_names(run_id)["trajectories"],
+            group="learner",
+            consumer="learner-0",
+        )
     return Learner(
         cfg.trainer,
         model=load_model(model_dir),
@@ -114,4 +121,5 @@ def build_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str) 
         pad_token_id=tokenizer.pad_token_id,
         temperature=cfg.rollout.temperature,
         seed=cfg.seed,
+        shard=shard,
     )

@@ -116,29 +116,3 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """An optimizer's state as (named tensors, JSON metadata): no pickle."""
-    state = optimizer.state_dict()
-    tensors, meta = {}, {"param_groups": state["param_groups"], "state": {}}
-    for index, entry in state["state"].items():
-        meta["state"][str(index)] = {}
-        for key, value in entry.items():
-            if torch.is_tensor(value):
-                tensors[f"{index}.{key}"] = value
-            else:
-                meta["state"][str(index)][key] = value
-    return tensors, meta
-
-
-def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict
-) -> None:
-    state: dict[int, dict[str, Any]] = {}
-    for index, scalars in meta["state"].items():
-        state[int(index)] = dict(scalars)
-    for name, tensor in tensors.items():
-        index, key = name.split(".", 1)
-        state.setdefault(int(index), {})[key] = tensor
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

@@ -217,7 +217,13 @@ class TrainerConfig:
     micro_batch_size: int = 32
     """Trajectories per forward/backward (gradients accumulate to the batch)."""
     cpus: float = 1.0
-    """Ray CPUs reserved for the learner."""
+    """Ray CPUs reserved for each learner rank."""
+    world_size: int = 1
+    """Learner ranks (Ray actors in one placement group, one torch.distributed group; FSDP2)."""
+    expert_parallel: int = 1
+    """Ranks that split each MoE layer's routed experts (must divide world_size)."""
+    placement_timeout_s: float = 30.0
+    """Fail (naming the missing resources) if the learner ranks cannot be placed in time."""
     threads: int = 2
     """torch threads in the learner."""
     read_timeout_s: float = 300.0
@@ -230,6 +236,13 @@ class TrainerConfig:
             _positive(name, getattr(self, name), zero_ok=True)
         _positive("max_grad_norm", self.max_grad_norm)
         _positive("read_timeout_s", self.read_timeout_s)
+        _positive("world_size", self.world_size)
+        _positive("placement_timeout_s", self.placement_timeout_s)
+        if self.expert_parallel < 1 or self.world_size % self.expert_parallel:
+            raise ConfigError(
+                "expert_parallel",
+                f"must divide world_size ({self.world_size}); got {self.expert_parallel}",
+            )
         self._check_groups()
         for name in ("clip_low", "clip_high", "tis_cap", "value_clip"):
             if getattr(self, name) is not None:

@@ -62,9 +62,9 @@ def test_incomplete_and_corrupt_checkpoints_are_refused(tiny_model, tmp_path):
     tmp2 = ckpt.staging_dir(tmp_path, 2)  # a crash mid-write leaves only a temporary directory
     one.save(tmp2)
     assert ckpt.latest(tmp_path) == path
-    data = bytearray((path / "learner.safetensors").read_bytes())
+    data = bytearray((path / "learner-rank0.safetensors").read_bytes())
     data[-3] ^= 0xFF
-    (path / "learner.safetensors").write_bytes(bytes(data))
+    (path / "learner-rank0.safetensors").write_bytes(bytes(data))
     with pytest.raises(ckpt.CheckpointError, match="corrupt"):
         ckpt.latest(tmp_path)
     (path / "manifest.json").unlink()

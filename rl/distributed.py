@@ -1,0 +1,127 @@
+"""A learner rank's view of the learner group (torch.distributed, gloo on CPU / NCCL on GPUs).
+
+`Shard` hides the group from the learner: with one rank it is the whole batch and no
+communication; with W ranks, rank 0 reads the stream and shares the batch, every rank trains on
+its slice of the trajectories (the same number of micro-batches on every rank, as expert
+parallelism exchanges tokens in every forward), gradients are summed by FSDP2, metric sums are
+all-reduced, and full weights are gathered for a push. Letters: N = trajectories.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from rollout.codec import decode_group, encode_group
+from rollout.types import TrajectoryGroup
+
+
+def init_group(address: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def init_single() -> None:
+    """A one-rank group, so collective helpers (e.g. MoE router statistics) work unchanged."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class Shard:
+    def __init__(self, rank: int = 0, world: int = 1, ep_size: int = 1):
+        self.rank, self.world, self.ep_size = rank, world, ep_size
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def prepare_model(self, model):
+        """FSDP2 (+ expert parallel) when there are several ranks; the model itself otherwise."""
+        if self.world == 1:
+            return model
+        from policy.parallel import build_meshes, parallelize
+
+        return parallelize(model, build_meshes(ep_size=self.ep_size))
+
+    def share_groups(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+        """Rank 0's groups on every rank (msgpack bytes, never pickle)."""
+        if self.world == 1:
+            return groups
+        payload = msgpack.packb([encode_group(g) for g in groups]) if self.leader else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, 0)
+        buffer = torch.zeros(int(size), dtype=torch.uint8)
+        if self.leader:
+            buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        dist.broadcast(buffer, 0)
+        return [decode_group(g) for g in msgpack.unpackb(buffer.numpy().tobytes())]
+
+    def micro_batches(self, order_N: torch.Tensor, size: int) -> list[torch.Tensor]:
+        """This rank's rows of `order_N`, cut into the same number of pieces on every rank
+        (a piece may be empty; the caller runs a zero-weight forward for it)."""
+        mine = torch.tensor_split(order_N, self.world)[self.rank]
+        count = max(1, math.ceil(math.ceil(len(order_N) / self.world) / size))
+        return list(torch.tensor_split(mine, count))
+
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
+        if self.world == 1:
+            return values
+        keys = sorted(values)
+        totals = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(totals)
+        return dict(zip(keys, totals.tolist(), strict=True))
+
+    def sync_replicated(self, module: torch.nn.Module | None) -> None:
+        """Sum the gradients of a module every rank holds whole (e.g. PPO's value head)."""
+        if self.world == 1 or module is None:
+            return
+        for param in module.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+
+    def clip_grad_norm(self, params: list, max_norm: float) -> float:
+        if self.world == 1:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        from policy.parallel import clip_grad_norm_
+
+        return float(clip_grad_norm_(params, max_norm))
+
+    def full_weights(self, model) -> dict[str, np.ndarray]:
+        """Unsharded weights as numpy (on rank 0; {} elsewhere). Every rank must call it."""
+        if self.world == 1:
+            from policy.hf import export_weights
+
+            return export_weights(model)
+        from policy.parallel import full_state_dict
+
+        full = full_state_dict(model, rank0_only=True)
+        return {k: v.detach().cpu().contiguous().numpy().copy() for k, v in full.items()}
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a (possibly sharded) tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def like(template: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """A saved local piece, placed like `template` (a DTensor template gives a DTensor)."""
+    if isinstance(template, DTensor):
+        return DTensor.from_local(
+            piece,
+            template.device_mesh,
+            template.placements,
+            shape=template.shape,
+            stride=template.stride(),
+        )
+    return piece
