@@ -3,8 +3,9 @@
 Letters: B = batch, T = sequence length, D = hidden size, V = vocabulary, C = chunk length.
 
 Never materialises `[B, T, V]` float32 logits: the decoder's hidden states are projected through
-the LM head `chunk` positions at a time, and each chunk is recomputed in the backward pass
-(activation checkpointing), so peak memory is `[B, C, V]` whatever T is.
+the LM head `chunk` positions at a time (only at the positions asked for), and large chunks are
+recomputed in the backward pass (activation checkpointing), so peak memory is `[C, V]` whatever
+T is.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_stats(hidden_BCD, targets_BC, head, temperature: float):
-    logits_BCV = head(hidden_BCD).float() / temperature
-    logp_BCV = torch.log_softmax(logits_BCV, -1)
-    token_logp_BC = logp_BCV.gather(-1, targets_BC[..., None])[..., 0]
-    entropy_BC = -(logp_BCV.exp() * logp_BCV).sum(-1)
-    return token_logp_BC, entropy_BC
+def _chunk_stats(hidden_CD, targets_C, head, temperature: float):
+    logits_CV = head(hidden_CD).float() / temperature
+    logp_CV = torch.log_softmax(logits_CV, -1)
+    token_logp_C = logp_CV.gather(-1, targets_C[..., None])[..., 0]
+    entropy_C = -(logp_CV.exp() * logp_CV).sum(-1)
+    return token_logp_C, entropy_C
 
 
 def decoder_hidden(
@@ -34,23 +35,45 @@ def decoder_hidden(
     ).last_hidden_state[:, :-1]
 
 
-def head_logprobs(model, hidden_BTD, targets_BT, *, temperature: float = 1.0, chunk: int = 1024):
-    """logprob of each target and the entropy, through the LM head `chunk` positions at a time."""
+def head_logprobs(
+    model,
+    hidden_BTD: torch.Tensor,
+    targets_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 4096,
+    select_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprob of each target and the entropy ([B, T] each), through the LM head `chunk`
+    positions at a time. `select_BT` (bool) limits the work to the positions that matter (e.g.
+    the sampled tokens of an agent trajectory); the others are 0."""
     temperature = temperature or 1.0
     head = model.get_output_embeddings()
+    if select_BT is None:
+        select_BT = torch.ones_like(targets_BT, dtype=torch.bool)
+    where = select_BT.nonzero(as_tuple=True)
+    hidden_MD, targets_M = hidden_BTD[where], targets_BT[where]
+    big = hidden_MD.shape[0] * head.weight.shape[0] > (1 << 24)  # recompute only large chunks
     logps, entropies = [], []
-    for start in range(0, targets_BT.shape[1], chunk):
-        hidden = hidden_BTD[:, start : start + chunk]
-        targets = targets_BT[:, start : start + chunk]
-        if torch.is_grad_enabled():
-            logp, ent = checkpoint(
-                _chunk_stats, hidden, targets, head, temperature, use_reentrant=False
-            )
+    for start in range(0, hidden_MD.shape[0], chunk):
+        args = (
+            hidden_MD[start : start + chunk],
+            targets_M[start : start + chunk],
+            head,
+            temperature,
+        )
+        if torch.is_grad_enabled() and big:
+            logp_C, ent_C = checkpoint(_chunk_stats, *args, use_reentrant=False)
         else:
-            logp, ent = _chunk_stats(hidden, targets, head, temperature)
-        logps.append(logp)
-        entropies.append(ent)
-    return torch.cat(logps, 1), torch.cat(entropies, 1)
+            logp_C, ent_C = _chunk_stats(*args)
+        logps.append(logp_C)
+        entropies.append(ent_C)
+    logp_BT = hidden_BTD.new_zeros(targets_BT.shape, dtype=torch.float32)
+    entropy_BT = hidden_BTD.new_zeros(targets_BT.shape, dtype=torch.float32)
+    if logps:
+        logp_BT = logp_BT.index_put(where, torch.cat(logps))
+        entropy_BT = entropy_BT.index_put(where, torch.cat(entropies))
+    return logp_BT, entropy_BT
 
 
 def token_logprobs(
@@ -77,9 +100,13 @@ class TokenLogprobs(torch.nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, input_ids_BT, attention_mask_BT, temperature: float = 1.0, chunk: int = 1024):
+    def forward(self, input_ids_BT, attention_mask_BT, temperature: float = 1.0, select_BT=None):
         hidden_BTD = decoder_hidden(self.policy, input_ids_BT, attention_mask_BT)
         logp_BT, entropy_BT = head_logprobs(
-            self.policy, hidden_BTD, input_ids_BT[:, 1:], temperature=temperature, chunk=chunk
+            self.policy,
+            hidden_BTD,
+            input_ids_BT[:, 1:],
+            temperature=temperature,
+            select_BT=select_BT,
         )
         return logp_BT, entropy_BT, hidden_BTD

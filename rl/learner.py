@@ -168,7 +168,10 @@ class Learner:
         for index, _ in _pieces(pieces):
             mb = batch.rows(index)
             width = mb.loss_mask_NT.shape[1]
-            logp, _, hidden = self.trunk(mb.input_ids_NT, mb.attention_mask_NT, self.temperature)
+            select = mb.loss_mask_NT > 0
+            logp, _, hidden = self.trunk(
+                mb.input_ids_NT, mb.attention_mask_NT, self.temperature, select
+            )
             if need_logp:
                 prep.learner_logp_NT[index, :width] = logp
             if self.algo.critic:
@@ -187,7 +190,11 @@ class Learner:
         return prep
 
     def _logp(self, model, hidden, mb: TrainBatch) -> torch.Tensor:
-        return head_logprobs(model, hidden, mb.input_ids_NT[:, 1:], temperature=self.temperature)[0]
+        targets = mb.input_ids_NT[:, 1:]
+        select = mb.loss_mask_NT > 0
+        return head_logprobs(
+            model, hidden, targets, temperature=self.temperature, select_BT=select
+        )[0]
 
     def _values(self, hidden_NTD: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
         index_NKD = mb.turn_pos_NK[:, :, None].expand(-1, -1, hidden_NTD.shape[-1])
@@ -208,7 +215,7 @@ class Learner:
             )
             with record:
                 logp, entropy, hidden = self.trunk(
-                    mb.input_ids_NT, mb.attention_mask_NT, self.temperature
+                    mb.input_ids_NT, mb.attention_mask_NT, self.temperature, mb.loss_mask_NT > 0
                 )
             loss, stats = policy_loss(
                 logp,
