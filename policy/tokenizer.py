@@ -7,10 +7,9 @@ Hermes tool-calling layout that Hugging Face and TRL understand:
 
     <|im_start|>system
     # Tools
-    <tools>
-    {"type": "function", "function": {...}}
-    </tools>
-    ...<|im_end|>
+    calculate(expression: string) - Evaluate an arithmetic expression.
+      expression: Numbers with + - * / and parentheses, e.g. "(12 + 7) * 3".
+    To call a tool, reply with <tool_call>...<|im_end|>
     <|im_start|>user
     question<|im_end|>
     <|im_start|>assistant
@@ -36,13 +35,34 @@ PAD, BOS_TURN, EOS_TURN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 SPECIAL_TOKENS = [PAD, BOS_TURN, EOS_TURN, *TOOL_TOKENS]
 
+# Tools are rendered as compact signatures (name, typed parameters, descriptions) rather than
+# raw JSON schemas: a few dozen tokens instead of a few hundred, in every sequence.
+_TOOLS = (
+    "{{- '# Tools' }}"
+    "{%- for tool in tools %}"
+    "{%- set f = tool.function if tool.function is defined else tool %}"
+    "{%- set props = f.parameters.properties if f.parameters is defined else {} %}"
+    "{%- set required = f.parameters.required if f.parameters is defined else [] %}"
+    "{{- '\\n' + f.name + '(' }}"
+    "{%- for name, p in props.items() %}"
+    "{{- name + ': ' + (p.type if p.type is string else p.type | join('|')) }}"
+    "{%- if name not in (required or []) %}{{- '?' }}{%- endif %}"
+    "{%- if not loop.last %}{{- ', ' }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- ') - ' + (f.description or '') }}"
+    "{%- for name, p in props.items() %}"
+    "{%- if p.description %}{{- '\\n  ' + name + ': ' + p.description }}{%- endif %}"
+    "{%- if p.enum %}{{- ' (one of ' + p.enum | join(', ') + ')' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- endfor %}"
+)
+
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\nTo call a tool, reply with <tool_call>\\n"
+    + _TOOLS
+    + "{{- '\\nTo call a tool, reply with <tool_call>\\n"
     '{"name": <tool-name>, "arguments": <json-object>}'
     "\\n</tool_call><|im_end|>\\n' }}"
     "{%- elif messages[0].role == 'system' %}"

@@ -12,7 +12,8 @@ import redis
 import torch
 
 import envs  # registers the built-in envs with gymnasium
-from policy.hf import HFPolicy, build_model, load_model, load_tokenizer
+from policy.engines import rollout_policy
+from policy.hf import build_model, load_model, load_tokenizer
 from policy.sampling import SamplingParams
 from policy.tokenizer import build_tokenizer, render_conversations
 from reward import build_reward
@@ -79,7 +80,7 @@ def build_worker(
 ) -> RolloutWorker:
     torch.set_num_threads(cfg.rollout.threads_per_worker)
     renderer = ChatRenderer(load_tokenizer(model_dir))
-    policy = HFPolicy(
+    policy = rollout_policy(
         load_model(model_dir), pad_token_id=renderer.pad_token_id, seed=cfg.seed * 1000 + index
     )
     sink = None

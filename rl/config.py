@@ -126,6 +126,12 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         _positive("vocab_size", self.vocab_size)
         _positive("tokenizer_demonstrations", self.tokenizer_demonstrations)
+        if self.model_type == "agentrl_k3" and self.path is None and "preset" not in self.config:
+            raise ConfigError(
+                "config.preset",
+                "an agentrl_k3 policy needs a preset (k3-debug, "
+                "k3-tiny or k3); its other config keys override the preset's fields",
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -282,7 +282,7 @@ class Learner:
         loads = self.router_stats.load_metrics()
         self.router_stats.update_biases()  # the new bias ships with the next weight push
         self.router_stats.reset()
-        return {f"moe/{name}": value for name, value in loads.items()}
+        return {f"moe/{name.removeprefix('policy.model.')}": value for name, value in loads.items()}
 
     def save(self, directory) -> None:
         from rl.learner_state import save_learner
