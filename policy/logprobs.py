@@ -23,16 +23,24 @@ def _chunk_stats(hidden_CD, targets_C, head, temperature: float):
 
 
 def decoder_hidden(
-    model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+    model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, **moe
 ) -> torch.Tensor:
-    """[B, T-1, D]: the final hidden state at every position that predicts a next token."""
+    """[B, T-1, D]: the final hidden state at every position that predicts a next token.
+    `moe` (MoE policies only): replay_experts / return_routing, passed through to the model;
+    with return_routing the result is (hidden, routed experts [M, B*T, K])."""
     position_ids_BT = (attention_mask_BT.cumsum(-1) - 1).clamp(min=0)
-    return model.get_decoder()(
+    extra = {k: v for k, v in moe.items() if v is not None and v is not False}
+    out = model.get_decoder()(
         input_ids=input_ids_BT,
         attention_mask=attention_mask_BT,
         position_ids=position_ids_BT,
         use_cache=False,
-    ).last_hidden_state[:, :-1]
+        **extra,
+    )
+    hidden_BTD = out.last_hidden_state[:, :-1]
+    if extra.get("return_routing"):
+        return hidden_BTD, getattr(out, "routed_experts", None)
+    return hidden_BTD
 
 
 def head_logprobs(
@@ -100,8 +108,26 @@ class TokenLogprobs(torch.nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, input_ids_BT, attention_mask_BT, temperature: float = 1.0, select_BT=None):
-        hidden_BTD = decoder_hidden(self.policy, input_ids_BT, attention_mask_BT)
+    def forward(
+        self,
+        input_ids_BT,
+        attention_mask_BT,
+        temperature: float = 1.0,
+        select_BT=None,
+        replay_experts=None,
+        return_routing: bool = False,
+    ):
+        """(logprobs [B, T-1], entropy [B, T-1], hidden [B, T-1, D], routed experts or None)."""
+        hidden_BTD = decoder_hidden(
+            self.policy,
+            input_ids_BT,
+            attention_mask_BT,
+            replay_experts=replay_experts,
+            return_routing=return_routing,
+        )
+        routed = None
+        if return_routing:
+            hidden_BTD, routed = hidden_BTD
         logp_BT, entropy_BT = head_logprobs(
             self.policy,
             hidden_BTD,
@@ -109,4 +135,4 @@ class TokenLogprobs(torch.nn.Module):
             temperature=temperature,
             select_BT=select_BT,
         )
-        return logp_BT, entropy_BT, hidden_BTD
+        return logp_BT, entropy_BT, hidden_BTD, routed

@@ -36,6 +36,11 @@ class TrainBatch:
     turn_pos_NK: torch.Tensor
     """[N, K] target position where each turn starts (0 where `turn_mask_NK` is 0)."""
     turn_mask_NK: torch.Tensor
+    routes_NTMK: torch.Tensor | None = None
+    """MoE policies: experts the rollout engine routed each input position to, per MoE layer
+    (the last record repeated past the recorded positions); None without records."""
+    routed_NT: torch.Tensor | None = None
+    """[N, T] True where `routes_NTMK` holds a real record (for the mismatch metric)."""
 
     @property
     def size(self) -> int:
@@ -55,6 +60,8 @@ class TrainBatch:
             self.rewards_N[index],
             self.turn_pos_NK[index],
             self.turn_mask_NK[index],
+            None if self.routes_NTMK is None else self.routes_NTMK[index, :width],
+            None if self.routed_NT is None else self.routed_NT[index, :width],
         )
 
 
@@ -118,9 +125,36 @@ def pack(
         [min((v for v in t.token_versions if v >= 0), default=-1) for t, _ in chosen]
     )
     rewards = torch.tensor([t.reward for t, _ in chosen], dtype=torch.float32)
+    routes, routed = _routes([t for t, _ in chosen], width)
     return TrainBatch(
-        ids, attn, mask, old, adv, attn.sum(-1), versions, rewards, turn_pos, turn_mask
+        ids,
+        attn,
+        mask,
+        old,
+        adv,
+        attn.sum(-1),
+        versions,
+        rewards,
+        turn_pos,
+        turn_mask,
+        routes,
+        routed,
     )
+
+
+def _routes(trajs: list, width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """[N, T, M, K] recorded expert choices and [N, T] record mask, if every trajectory has them."""
+    if not trajs or any(not t.routed_experts for t in trajs):
+        return None, None
+    _, layers, k = torch.tensor(trajs[0].routed_experts[:1]).shape
+    routes = torch.zeros((len(trajs), width, layers, k), dtype=torch.long)
+    routed = torch.zeros((len(trajs), width), dtype=torch.bool)
+    for row, traj in enumerate(trajs):
+        record = torch.tensor(traj.routed_experts, dtype=torch.long)[:width]
+        routes[row, : len(record)] = record
+        routes[row, len(record) :] = record[-1]  # positions no logprob depends on
+        routed[row, : len(record)] = True
+    return routes, routed
 
 
 def _turn_starts(target_mask: list[int]) -> list[int]:

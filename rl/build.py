@@ -81,7 +81,10 @@ def build_worker(
     torch.set_num_threads(cfg.rollout.threads_per_worker)
     renderer = ChatRenderer(load_tokenizer(model_dir))
     policy = rollout_policy(
-        load_model(model_dir), pad_token_id=renderer.pad_token_id, seed=cfg.seed * 1000 + index
+        load_model(model_dir),
+        pad_token_id=renderer.pad_token_id,
+        seed=cfg.seed * 1000 + index,
+        record_routing=cfg.rollout.record_routing,
     )
     sink = None
     if redis_url is not None:

@@ -151,6 +151,9 @@ class RolloutConfig:
     """Assistant turns per episode."""
     max_seq_len: int = 1024
     """Tokens per trajectory, prompt included."""
+    record_routing: bool = True
+    """MoE policies: record the experts the rollout engine chose for every token (for routing
+    replay and the rollout/learner routing-mismatch metric)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -215,6 +218,9 @@ class TrainerConfig:
     """PPO: discount between turns."""
     lam: float = 0.95
     """PPO: GAE lambda."""
+    routing_replay: bool = False
+    """MoE policies: replay the rollout engine's expert choices in the learner's forward (R3);
+    the router still gets gradients through the replayed experts' scores."""
     vf_coef: float = 0.1
     """PPO: weight of the value loss (the value head shares the policy trunk)."""
     value_clip: float | None = 0.2

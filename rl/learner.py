@@ -169,8 +169,12 @@ class Learner:
             mb = batch.rows(index)
             width = mb.loss_mask_NT.shape[1]
             select = mb.loss_mask_NT > 0
-            logp, _, hidden = self.trunk(
-                mb.input_ids_NT, mb.attention_mask_NT, self.temperature, select
+            logp, _, hidden, _ = self.trunk(
+                mb.input_ids_NT,
+                mb.attention_mask_NT,
+                self.temperature,
+                select,
+                replay_experts=self._replay(mb),
             )
             if need_logp:
                 prep.learner_logp_NT[index, :width] = logp
@@ -196,6 +200,16 @@ class Learner:
             model, hidden, targets, temperature=self.temperature, select_BT=select
         )[0]
 
+    def _replay(self, mb: TrainBatch):
+        """The rollout's expert choices per MoE layer ([B, T, K] each) when replaying (R3)."""
+        if not self.cfg.routing_replay or mb.routes_NTMK is None:
+            return None
+        return [mb.routes_NTMK[:, :, m] for m in range(mb.routes_NTMK.shape[2])]
+
+    def _measure_routing(self, mb: TrainBatch) -> bool:
+        """Compare the learner's own routing with the rollout's (only meaningful without replay)."""
+        return mb.routes_NTMK is not None and not self.cfg.routing_replay
+
     def _values(self, hidden_NTD: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
         index_NKD = mb.turn_pos_NK[:, :, None].expand(-1, -1, hidden_NTD.shape[-1])
         return self.value_head(hidden_NTD.gather(1, index_NKD))[..., 0] * mb.turn_mask_NK
@@ -214,9 +228,16 @@ class Learner:
                 else contextlib.nullcontext()
             )
             with record:
-                logp, entropy, hidden = self.trunk(
-                    mb.input_ids_NT, mb.attention_mask_NT, self.temperature, mb.loss_mask_NT > 0
+                logp, entropy, hidden, routed = self.trunk(
+                    mb.input_ids_NT,
+                    mb.attention_mask_NT,
+                    self.temperature,
+                    mb.loss_mask_NT > 0,
+                    replay_experts=self._replay(mb),
+                    return_routing=self._measure_routing(mb),
                 )
+            if routed is not None:
+                _add(sums, _routing_mismatch(routed, mb, scale))
             loss, stats = policy_loss(
                 logp,
                 mb.old_logp_NT,
@@ -273,6 +294,7 @@ class Learner:
             metrics["learner/ref_kl"] = sums["stat.ref_kl_sum"] / tokens
         if self.algo.critic:
             metrics["learner/value_loss"] = sums["value_loss"]
+        metrics.update(_mismatch_metrics(sums))
         return metrics
 
     def _balance_experts(self) -> dict[str, float]:
@@ -338,3 +360,34 @@ def _group_key(group: TrajectoryGroup) -> tuple:
     """Order groups by id ("<step>-<index>" sorts numerically) so a batch never depends on
     which worker wrote first: bit-exact resume needs the same order every time."""
     return tuple(int(p) if p.isdigit() else p for p in group.group_id.split("-"))
+
+
+def _routing_mismatch(routed_MXK: torch.Tensor, mb: TrainBatch, scale: float) -> dict[str, float]:
+    """Per MoE layer: positions whose expert set differs between the learner's forward and the
+    rollout engine's record (X = B*T positions)."""
+    layers, _, k = routed_MXK.shape
+    live_MBTK = routed_MXK.view(layers, *mb.input_ids_NT.shape, k).sort(-1).values
+    recorded_MBTK = mb.routes_NTMK.permute(2, 0, 1, 3).sort(-1).values
+    valid_BT = mb.routed_NT & (mb.attention_mask_NT > 0)
+    differs_MBT = (live_MBTK != recorded_MBTK).any(-1) & valid_BT
+    out = {"routing.positions": float(valid_BT.sum()) * scale}
+    for m in range(layers):
+        out[f"routing.mismatch.{m}"] = float(differs_MBT[m].sum()) * scale
+    return out
+
+
+def _add(sums: dict[str, float], values: dict[str, float]) -> None:
+    for key, value in values.items():
+        sums[key] = sums.get(key, 0.0) + value
+
+
+def _mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
+    positions = sums.get("routing.positions", 0.0)
+    if not positions:
+        return {}
+    layers = sorted(k for k in sums if k.startswith("routing.mismatch."))
+    rates = {
+        f"moe/routing_mismatch_layer{k.rsplit('.', 1)[1]}": sums[k] / positions for k in layers
+    }
+    rates["moe/routing_mismatch"] = sum(rates.values()) / len(rates)
+    return rates

@@ -54,6 +54,9 @@ def _encode_traj(traj: Trajectory) -> dict[str, Any]:
     out["status"] = str(traj.status)
     for name, dtype in _ARRAYS.items():
         out[name] = np.asarray(getattr(traj, name), dtype=dtype).tobytes()
+    if traj.routed_experts is not None:  # [T-1, M, K] int16: 2 bytes per expert choice
+        routed = np.asarray(traj.routed_experts, dtype="<i2")
+        out["routed_experts"] = {"shape": list(routed.shape), "data": routed.tobytes()}
     return out
 
 
@@ -81,4 +84,7 @@ def _decode_traj(data: dict[str, Any]) -> Trajectory:
     lengths = {len(a) for a in arrays.values()}
     if len(lengths) != 1:
         raise ValueError(f"array lengths differ: {sorted(lengths)}")
-    return Trajectory(status=RolloutStatus(data["status"]), **fields, **arrays)
+    routed = data.get("routed_experts")
+    if routed is not None:
+        routed = np.frombuffer(routed["data"], dtype="<i2").reshape(routed["shape"]).tolist()
+    return Trajectory(status=RolloutStatus(data["status"]), routed_experts=routed, **fields, **arrays)

@@ -88,6 +88,8 @@ def _advance(episode: _Episode, completion: Completion, version: int, renderer) 
     traj = episode.traj
     traj.append(completion.token_ids, sampled=True, logprobs=completion.logprobs, version=version)
     traj.num_turns += 1
+    if completion.routed_experts is not None:  # each turn's forward covers the whole history
+        traj.routed_experts = completion.routed_experts
     if completion.finish_reason != "stop":
         episode.finish(RolloutStatus.TRUNCATED, "turn hit max_new_tokens")
         return

@@ -47,6 +47,9 @@ class Trajectory:
     num_parse_errors: int = 0
     reward: float = 0.0
     reward_parts: dict[str, float] = field(default_factory=dict)
+    routed_experts: list | None = None
+    """MoE policies: [T-1][M][K] experts each MoE layer chose at every position of the last
+    forward the rollout engine ran (routing replay and rollout/learner mismatch metrics)."""
 
     def append(self, ids: list[int], *, sampled: bool, logprobs=None, version: int = -1) -> None:
         self.token_ids.extend(ids)

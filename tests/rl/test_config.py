@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -70,9 +71,10 @@ def test_yaml_scientific_notation_without_dot_is_a_number(tmp_path):
 
 def test_cli_typo_fails_fast_without_starting_anything(tmp_path):
     path = tmp_path / "typo.yaml"
-    path.write_text(
-        (ROOT / "configs/quickstart.yaml").read_text().replace("  steps: 60", "  stpes: 60")
-    )
+    text = (ROOT / "configs/quickstart.yaml").read_text()
+    typo = re.sub(r"^  steps: ", "  stpes: ", text, count=1, flags=re.M)
+    assert typo != text, "the quickstart has no trainer.steps line to misspell"
+    path.write_text(typo)
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "rl.cli", "train", str(path), f"output_dir={tmp_path}/runs"],

@@ -23,6 +23,7 @@ def tiny_overrides(out: Path, steps: int = 2) -> list[str]:
     return [
         f"output_dir={out}",
         "name=e2e",
+        "policy.model_type=qwen3",  # the generic HF path (the K3 path has its own tests)
         f"policy.config={model}",
         "policy.vocab_size=512",
         "sft.demonstrations=48",
@@ -200,3 +201,21 @@ def test_a_run_file_switches_algorithms(tmp_path, algorithm):
     assert [r["learner/version"] for r in train] == [1, 2]
     grads = [r["learner/grad_norm"] for r in train if "learner/grad_norm" in r]  # dapo may skip
     assert all(g == g for g in grads)  # not NaN
+
+
+def test_the_k3_policy_trains_through_the_cli(tmp_path):
+    """The quickstart's own policy type: K3 (k3-debug here) with its engine and routing records."""
+    overrides = [
+        *tiny_overrides(tmp_path),
+        "policy.model_type=agentrl_k3",
+        "policy.config={preset: k3-debug}",
+        "eval.tasks=4",
+        "trainer.routing_replay=true",
+    ]
+    proc, _ = run_cli([str(ROOT / "configs/quickstart.yaml"), *overrides])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (run_dir,) = list(tmp_path.glob("e2e-*"))
+    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["phase"] == "train"]
+    assert any(k.startswith("moe/layers.") for k in train[-1])  # per-layer expert load
+    assert (run_dir / "final-model" / "config.json").read_text().count("agentrl_k3") == 1

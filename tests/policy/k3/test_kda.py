@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -320,12 +321,15 @@ def test_layer_matches_transformers_kimi_linear_layer():
 
 
 def _fla_naive_path() -> pathlib.Path | None:
-    """fla's `naive.py` only if fla is already on disk (never installed by us)."""
+    """fla's `naive.py`: from an installed fla, else the copy `make` unpacks under the venv
+    (`<venv>/share/fla-ref`, see scripts/setup.sh; never installed, so transformers keeps its
+    torch fallback)."""
+    candidates = [pathlib.Path(sys.prefix) / "share" / "fla-ref" / "fla"]
     spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
-    return path if path.exists() else None
+    if spec is not None and spec.submodule_search_locations:
+        candidates.insert(0, pathlib.Path(next(iter(spec.submodule_search_locations))))
+    paths = [c / "ops" / "kda" / "naive.py" for c in candidates]
+    return next((p for p in paths if p.exists()), None)
 
 
 def test_matches_fla_naive_reference_if_present():
