@@ -87,4 +87,6 @@ def _decode_traj(data: dict[str, Any]) -> Trajectory:
     routed = data.get("routed_experts")
     if routed is not None:
         routed = np.frombuffer(routed["data"], dtype="<i2").reshape(routed["shape"]).tolist()
-    return Trajectory(status=RolloutStatus(data["status"]), routed_experts=routed, **fields, **arrays)
+    return Trajectory(
+        status=RolloutStatus(data["status"]), routed_experts=routed, **fields, **arrays
+    )
