@@ -53,6 +53,7 @@ def overrides(args) -> list[str]:
         f"policy.config={model}",
         f"trainer.steps={args.steps}",
         "eval.tasks=0",
+        *args.set,
     ]
 
 
@@ -141,11 +142,16 @@ def trl_sft(cfg, model, tokenizer, out: Path) -> float:
         cfg, cfg.sft.demonstrations, error_rate=cfg.sft.expert_error_rate, seed=cfg.seed
     )
     tools = trl_tools(cfg)
-    rows = [{"messages": trl_messages(d), "tools": tools} for d in demos]
     tokenizer.chat_template = trl_template("qwen3_training.jinja")
+    rows = []  # pre-tokenized, as our SFT is (datasets' Arrow would merge the tool schemas)
+    for demo in demos:
+        enc = tokenizer.apply_chat_template(
+            trl_messages(demo), tools=tools, return_dict=True, return_assistant_tokens_mask=True
+        )
+        rows.append({"input_ids": enc["input_ids"], "assistant_masks": enc["assistant_masks"]})
     steps_per_epoch = max(1, len(rows) // cfg.sft.batch_size)
     args = _sft_args(cfg, out / "trl-sft", steps_per_epoch, SFTConfig)
-    args.assistant_only_loss, args.report_to = True, []
+    args.report_to = []
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
     )
@@ -267,6 +273,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-e2e")
     parser.add_argument("--only", choices=["ours", "trl"], default=None)
+    parser.add_argument("--set", nargs="*", default=[], help="more run-file overrides (k=v)")
     args = parser.parse_args()
     from policy.hf import load_model, load_tokenizer
     from rl.config import load_config
