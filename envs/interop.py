@@ -93,7 +93,7 @@ def _copy_signature(method: Any, fn: Any, name: str) -> None:
     method.__doc__ = fn.__doc__
 
 
-def _answer(self, answer: str) -> str:  # no hint on self: TRL builds the schema from hints
+def answer(self, answer: str) -> str:  # no hint on self: TRL builds the schema from hints
     """Give the final answer and end the episode.
 
     Args:
@@ -113,7 +113,7 @@ def trl_environment(env_id: str, *, seed: int = 0, **kwargs: Any) -> type[TRLEnv
     if clash:
         raise ValueError(f"{env_id}: tool names {sorted(clash)} clash with TRL's reserved methods")
     if "answer" not in namespace:
-        namespace["answer"] = _answer
+        namespace["answer"] = answer  # TRL names a tool by its __name__, so it must be "answer"
     namespace.update(
         env_id=env_id, env_kwargs=dict(kwargs), seed=seed, _instances=itertools.count()
     )

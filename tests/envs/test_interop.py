@@ -16,12 +16,14 @@ from envs.interop import TRLEnvironment, trl_environment
 
 
 def tools_as_trl_sees_them(instance) -> dict:
-    """What GRPOTrainer.__init__ does: public functions of the class, except reset/get_reward."""
-    return {
-        name: getattr(instance, name)
+    """What GRPOTrainer does: public functions of the class, except reset/get_reward, keyed by
+    each function's `__name__` (the name the model must call)."""
+    methods = [
+        getattr(instance, name)
         for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
         if name not in ("reset", "get_reward") and not name.startswith("_")
-    }
+    ]
+    return {method.__name__: method for method in methods}
 
 
 def test_every_env_tool_becomes_a_trl_tool_with_the_same_schema():
