@@ -333,10 +333,30 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
             router_scores=out.router_scores,
         )
 
-    def prepare_inputs_for_generation(self, input_ids: Tensor, attention_mask=None, **kwargs):
-        """transformers' generate(): recompute the whole prefix each step (correct, not fast;
-        rollouts use policy.k3.engine.K3Policy)."""
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+    def prepare_inputs_for_generation(
+        self, input_ids: Tensor, attention_mask=None, cache: K3Cache | None = None, **kwargs
+    ):
+        """transformers' generate(): the whole prompt first, then one token per step over the
+        K3Cache that `_update_model_kwargs_for_generation` carries between steps (rollouts use
+        policy.k3.engine.K3Policy, which is faster still)."""
+        if not isinstance(cache, K3Cache):
+            cache = None  # generate() may seed the kwarg with its own (unused) cache object
+        else:
+            input_ids = input_ids[:, -1:]
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "cache": cache,
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        model_kwargs = super()._update_model_kwargs_for_generation(
+            outputs, model_kwargs, *args, **kwargs
+        )
+        model_kwargs["cache"] = outputs.cache
+        return model_kwargs
 
 
 def register() -> None:

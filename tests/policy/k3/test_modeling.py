@@ -98,6 +98,27 @@ def test_left_padded_batch_equals_each_sequence_alone():
             close(step.logits[row, -1], alone[0, -1], 1e-10)
 
 
+def test_transformers_generate_uses_the_cache_and_equals_full_recompute():
+    """generate() (e.g. from TRL) prefills once, then feeds one token per step through the
+    K3Cache; with left padding its greedy tokens equal a loop that recomputes everything."""
+    model = make_model()
+    model.generation_config.pad_token_id = 0
+    prompt, mask = ids(3, 12), torch.ones(3, 12, dtype=torch.long)
+    mask[0, :4], mask[1, :1] = 0, 0
+    prompt[mask == 0] = 0
+    lengths = []
+    hook = model.model.register_forward_pre_hook(lambda m, a: lengths.append(a[0].shape[1]))
+    out = model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    hook.remove()
+    assert lengths == [12] + [1] * 7
+    seq, am = prompt, mask
+    with torch.no_grad():
+        for _ in range(8):
+            nxt = model(seq, attention_mask=am).logits[:, -1].argmax(-1, keepdim=True)
+            seq, am = torch.cat([seq, nxt], 1), torch.cat([am, torch.ones_like(nxt)], 1)
+    assert torch.equal(out, seq)
+
+
 def test_right_padding_is_exact_for_the_learner():
     model, tokens = make_model(), ids(2, 10, seed=5)
     mask = torch.ones_like(tokens)
