@@ -3,8 +3,9 @@
 
     .venv/bin/python benchmarks/e2e_vs_trl.py [--steps 40] [--threshold 0.85] [--window 3]
 
-The model is the tiny dense Qwen3 of the earlier quickstart (TRL's generation path needs a
-transformers KV cache, which our K3 model implements only in its own engine). Both sides start
+The model is the tiny dense Qwen3 of the earlier quickstart (`--model qwen3`, the default: the
+model TRL's generation is built for) or the quickstart's k3-tiny (`--model k3`: TRL generates
+through `K3ForCausalLM.generate`, cached; we roll out with the K3Policy engine). Both sides start
 from one freshly initialised model and one tokenizer (trained on both chat formats), are warmed
 up by SFT on the same 2,000 imperfect-expert demonstrations with the same SFT settings (ours in
 our chat format, TRL's in its Qwen3 tool-calling format, where the final answer is an `answer`
@@ -45,11 +46,15 @@ QWEN3 = {
 THINK = ["<think>", "</think>"]  # TRL's Qwen3 template writes an empty think block per turn
 
 
+MODELS = {"qwen3": ("qwen3", QWEN3), "k3": ("agentrl_k3", {"preset": "k3-tiny"})}
+
+
 def overrides(args) -> list[str]:
-    model = "{" + ", ".join(f"{k}: {str(v).lower()}" for k, v in QWEN3.items()) + "}"
+    model_type, config = MODELS[args.model]
+    model = "{" + ", ".join(f"{k}: {str(v).lower()}" for k, v in config.items()) + "}"
     return [
         "name=bench-e2e",
-        "policy.model_type=qwen3",
+        f"policy.model_type={model_type}",
         f"policy.config={model}",
         f"trainer.steps={args.steps}",
         "eval.tasks=0",
@@ -110,7 +115,9 @@ def build_policy(cfg, out: Path) -> Path:
     tokenizer.add_special_tokens(
         {"additional_special_tokens": THINK}, replace_extra_special_tokens=False
     )
-    model = build_model("qwen3", QWEN3, vocab_size=len(tokenizer), seed=cfg.seed)
+    model = build_model(
+        cfg.policy.model_type, cfg.policy.config, vocab_size=len(tokenizer), seed=cfg.seed
+    )
     for c in (model.config, model.generation_config):
         c.eos_token_id, c.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     model.save_pretrained(out / "policy-init")
@@ -269,6 +276,7 @@ def table(rows: list[dict], args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3")
     parser.add_argument("--threshold", type=float, default=0.85)
     parser.add_argument("--window", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-e2e")
