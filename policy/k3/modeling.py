@@ -351,6 +351,15 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
             "logits_to_keep": 1,
         }
 
+    def generate(self, *args, **kwargs):
+        config = kwargs.get("generation_config") or self.generation_config
+        if (kwargs.get("num_beams") or config.num_beams or 1) > 1:
+            raise ValueError(
+                "K3ForCausalLM.generate supports greedy decoding and sampling, not beam search "
+                "(the K3Cache is not reordered between beams); set num_beams=1"
+            )
+        return super().generate(*args, **kwargs)
+
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         model_kwargs = super()._update_model_kwargs_for_generation(
             outputs, model_kwargs, *args, **kwargs

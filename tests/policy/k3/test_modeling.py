@@ -117,6 +117,8 @@ def test_transformers_generate_uses_the_cache_and_equals_full_recompute():
             nxt = model(seq, attention_mask=am).logits[:, -1].argmax(-1, keepdim=True)
             seq, am = torch.cat([seq, nxt], 1), torch.cat([am, torch.ones_like(nxt)], 1)
     assert torch.equal(out, seq)
+    with pytest.raises(ValueError, match="not beam search"):
+        model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=2, num_beams=2)
 
 
 def test_right_padding_is_exact_for_the_learner():
