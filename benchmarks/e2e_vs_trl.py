@@ -33,16 +33,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-QWEN3 = {
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 2048,
-}
+from benchmarks.learner_speed import MODEL as QWEN3  # noqa: E402  (the earlier quickstart Qwen3)
+
 THINK = ["<think>", "</think>"]  # TRL's Qwen3 template writes an empty think block per turn
 
 

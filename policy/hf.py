@@ -101,6 +101,14 @@ def import_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> No
             tensor.copy_(source)
 
 
+def import_verified(model, version: int, weights: dict[str, np.ndarray], expected: int) -> None:
+    """import_weights after checking the push's checksum; corrupt weights are never installed."""
+    got = checksum(weights)
+    if got != expected:
+        raise ValueError(f"weights for version {version} are corrupt: checksum {got} != {expected}")
+    import_weights(model, weights)
+
+
 class HFPolicy:
     """The rollout side of a causal LM: batched sampling with the weights of `version`."""
 
@@ -121,10 +129,5 @@ class HFPolicy:
 
     def load_weights(self, version: int, weights: dict[str, np.ndarray], expected: int) -> None:
         """Install `weights` as `version` after verifying their checksum."""
-        got = checksum(weights)
-        if got != expected:
-            raise ValueError(
-                f"weights for version {version} are corrupt: checksum {got} != {expected}"
-            )
-        import_weights(self.model, weights)
+        import_verified(self.model, version, weights, expected)
         self.version = version

@@ -62,7 +62,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from policy.k3.balance import expert_load, quantile_balancing_candidate
+from policy.k3.balance import expert_load, load_summary, quantile_balancing_candidate
 from policy.k3.moe import (
     DISPATCHES,
     GroupedExperts,
@@ -329,18 +329,6 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
 # --------------------------------------------------------------------------- QB and load metrics
 
 
-def _load_summary(load_N: torch.Tensor) -> dict[str, float]:
-    """Same keys and definitions as policy.k3.balance.load_metrics, from load counts."""
-    load_N = load_N.double()
-    mean = load_N.mean().clamp_min(1e-12)
-    return {
-        "max_over_mean": float(load_N.max() / mean),
-        "min_over_mean": float(load_N.min() / mean),
-        "cv": float(load_N.std(unbiased=False) / mean),
-        "dead_experts": float((load_N == 0).sum()),
-    }
-
-
 @torch.no_grad()
 def _recentered(candidate_N: torch.Tensor, bias_N: torch.Tensor, ema: float) -> torch.Tensor:
     mixed_N = ema * bias_N.to(candidate_N.dtype) + (1.0 - ema) * candidate_N
@@ -453,5 +441,5 @@ class RouterStats:
             load_N = self._loads.get(name, torch.zeros(router.num_experts, dtype=torch.long))
             load_N = load_N.to(device).clone()
             dist.all_reduce(load_N, group=self.group)
-            metrics |= {f"{name}/{key}": v for key, v in _load_summary(load_N).items()}
+            metrics |= {f"{name}/{key}": v for key, v in load_summary(load_N).items()}
         return metrics

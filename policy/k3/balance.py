@@ -67,7 +67,12 @@ def expert_load(indices_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
 def load_metrics(indices_TK: torch.Tensor, num_experts: int) -> dict[str, float]:
     """Balance of one layer's routing: max/mean and min/mean load, coefficient of variation
     (std/mean, population std) and the number of experts that received no token."""
-    load_N = expert_load(indices_TK, num_experts).double()
+    return load_summary(expert_load(indices_TK, num_experts))
+
+
+def load_summary(load_N: torch.Tensor) -> dict[str, float]:
+    """load_metrics' numbers from per-expert load counts [N] (e.g. summed over ranks)."""
+    load_N = load_N.double()
     mean = load_N.mean().clamp_min(1e-12)
     return {
         "max_over_mean": float(load_N.max() / mean),

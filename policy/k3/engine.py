@@ -38,7 +38,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from policy.hf import checksum, import_weights
+from policy.hf import import_verified
 from policy.k3.cache import K3Cache
 from policy.k3.decode import forward_tokens
 from policy.k3.plan import DecodePlan, build_plan
@@ -88,12 +88,7 @@ class K3Policy:
 
     def load_weights(self, version: int, weights: dict[str, np.ndarray], expected: int) -> None:
         """Install `weights` as `version` after verifying their checksum."""
-        got = checksum(weights)
-        if got != expected:
-            raise ValueError(
-                f"weights for version {version} are corrupt: checksum {got} != {expected}"
-            )
-        import_weights(self.model, weights)
+        import_verified(self.model, version, weights, expected)
         self.version = version
 
     def plan(self) -> DecodePlan:

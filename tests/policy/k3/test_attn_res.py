@@ -20,15 +20,6 @@ from policy.k3.attn_res import (
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add scheduling latency on busy shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def numpy_attn_res(partial, blocks, proj_w, norm_w, eps):
     """Independent transcription of reference sec. 4.3, one token at a time, in float64."""
     partial, proj_w, norm_w = (np.asarray(x, dtype=np.float64) for x in (partial, proj_w, norm_w))

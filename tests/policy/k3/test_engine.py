@@ -21,14 +21,6 @@ from policy.sampling import SamplingParams
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_model(dtype=F64, seed=0, preset="k3-debug", **overrides) -> K3ForCausalLM:
     """A model away from its init symmetries (see test_modeling.make_model)."""
     torch.manual_seed(seed)

@@ -26,15 +26,6 @@ from policy.k3.kda import (
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add scheduling latency on busy shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_inputs(*, B=2, T=37, H=2, HV=4, K=6, V=5, gate="lower_bound", seed=0, dtype=F64):
     gen = torch.Generator().manual_seed(seed)
 

@@ -11,15 +11,6 @@ F64 = torch.float64
 DIMS = {"kv_lora_rank": 8, "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add scheduling latency on busy shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_mla(*, q_lora_rank=12, output_gate=True, seed=0):
     torch.manual_seed(seed)
     mla = GatedMLA(32, 3, q_lora_rank=q_lora_rank, output_gate=output_gate, **DIMS).double()

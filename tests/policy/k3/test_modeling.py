@@ -16,15 +16,6 @@ from policy.k3.attn_res import AttnResState, attn_res_layer
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add scheduling latency on busy shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_model(dtype=F64, seed=0, **overrides) -> K3ForCausalLM:
     """k3-debug with every parameter away from its init symmetry (norm weights != 1, AttnRes
     pseudo-queries != 0, nonzero correction bias), so the tests see all the bookkeeping."""
