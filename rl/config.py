@@ -154,8 +154,24 @@ class RolloutConfig:
     record_routing: bool = True
     """MoE policies: record the experts the rollout engine chose for every token (for routing
     replay and the rollout/learner routing-mismatch metric)."""
+    max_episodes: int = 64
+    """Live episodes per worker (decoded together; async mode admits new groups up to this)."""
+    tool_timeout_s: float = 60.0
+    """An env step (its tool calls) running longer ends that episode as an env error; the
+    other episodes keep decoding meanwhile."""
+    token_budget: int | None = None
+    """Partial rollouts: tokens a worker generates per iteration (sync: per collect; async: per
+    policy version it serves). Unfinished episodes are saved to Redis with their env state and
+    continued later, on any worker. null: no budget."""
+    max_restarts: int = 3
+    """Ray restarts a crashed rollout worker this many times; its tasks are retried."""
 
     def __post_init__(self) -> None:
+        _positive("tool_timeout_s", self.tool_timeout_s)
+        _positive("max_episodes", self.max_episodes)
+        _positive("max_restarts", self.max_restarts, zero_ok=True)
+        if self.token_budget is not None:
+            _positive("token_budget", self.token_budget)
         for name in (
             "num_workers",
             "threads_per_worker",
@@ -240,6 +256,13 @@ class TrainerConfig:
     """torch threads in the learner."""
     read_timeout_s: float = 300.0
     """Give up (with an error) if the stream yields no group for this long."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: generate a batch, train on it, push, repeat. async: workers never wait for the
+    learner; it trains on groups as they arrive, within max_staleness versions."""
+    max_staleness: int = 1
+    """async: tasks are released to the workers only while
+    started groups < (learner version + max_staleness + 1) x tasks per step (admission control:
+    generation pauses; nothing is ever discarded for being old or long)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "micro_batch_size", "threads", "lr"):
@@ -250,6 +273,7 @@ class TrainerConfig:
         _positive("read_timeout_s", self.read_timeout_s)
         _positive("world_size", self.world_size)
         _positive("placement_timeout_s", self.placement_timeout_s)
+        _positive("max_staleness", self.max_staleness, zero_ok=True)
         if self.expert_parallel < 1 or self.world_size % self.expert_parallel:
             raise ConfigError(
                 "expert_parallel",
