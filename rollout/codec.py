@@ -35,6 +35,10 @@ _SCALARS = (
 )
 
 
+_OPTIONAL = {"traj_id": "", "attempt": 1, "resumed": 0}
+"""Scalars added after format 1 was first written; older entries decode with these."""
+
+
 class CodecError(ValueError):
     """A stream entry that is not a trajectory group of a format we read."""
 
@@ -50,7 +54,7 @@ def encode_group(group: TrajectoryGroup) -> bytes:
 
 
 def _encode_traj(traj: Trajectory) -> dict[str, Any]:
-    out: dict[str, Any] = {name: getattr(traj, name) for name in _SCALARS}
+    out: dict[str, Any] = {name: getattr(traj, name) for name in (*_SCALARS, *_OPTIONAL)}
     out["status"] = str(traj.status)
     for name, dtype in _ARRAYS.items():
         out[name] = np.asarray(getattr(traj, name), dtype=dtype).tobytes()
@@ -78,6 +82,7 @@ def decode_group(data: bytes) -> TrajectoryGroup:
 
 def _decode_traj(data: dict[str, Any]) -> Trajectory:
     fields = {name: data[name] for name in _SCALARS}
+    fields.update({name: data.get(name, default) for name, default in _OPTIONAL.items()})
     arrays = {
         name: np.frombuffer(data[name], dtype=dtype).tolist() for name, dtype in _ARRAYS.items()
     }
@@ -90,3 +95,21 @@ def _decode_traj(data: dict[str, Any]) -> Trajectory:
     return Trajectory(
         status=RolloutStatus(data["status"]), routed_experts=routed, **fields, **arrays
     )
+
+
+def encode_episode(traj: Trajectory, extra: dict[str, Any]) -> bytes:
+    """An unfinished episode (partial rollout): its trajectory so far plus plain `extra` data
+    (the env's `get_state()`, the turn in progress, its tools). Never pickle."""
+    return msgpack.packb(
+        {"v": FORMAT_VERSION, "traj": _encode_traj(traj), "extra": extra}, use_bin_type=True
+    )
+
+
+def decode_episode(data: bytes) -> tuple[Trajectory, dict[str, Any]]:
+    try:
+        payload = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        if payload.get("v") != FORMAT_VERSION:
+            raise ValueError(f"unknown episode format (want v={FORMAT_VERSION})")
+        return _decode_traj(payload["traj"]), payload["extra"]
+    except (msgpack.UnpackException, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CodecError(f"malformed saved episode: {exc}") from None

@@ -27,6 +27,12 @@ class RolloutStatus(StrEnum):
 class Trajectory:
     task_id: str
     """Identifies the task (env id and seed); a group shares it."""
+    traj_id: str = ""
+    """Unique per trajectory: `<group_id>/<index>` (the same across retries)."""
+    attempt: int = 1
+    """1 for the first try; a task retried after a worker crash produces attempt 2, ..."""
+    resumed: int = 0
+    """How many times this episode was continued from a saved state (partial rollouts)."""
     messages: list[Message] = field(default_factory=list)
     """The conversation as messages (for logs, reward functions and debugging)."""
     token_ids: list[int] = field(default_factory=list)
@@ -51,11 +57,21 @@ class Trajectory:
     """MoE policies: [T-1][M][K] experts each MoE layer chose at every position of the last
     forward the rollout engine ran (routing replay and rollout/learner mismatch metrics)."""
 
-    def append(self, ids: list[int], *, sampled: bool, logprobs=None, version: int = -1) -> None:
+    def append(
+        self, ids: list[int], *, sampled: bool, logprobs=None, version: int | list[int] = -1
+    ) -> None:
+        """Append tokens; `version` is one version for all of them or one per token."""
         self.token_ids.extend(ids)
         self.loss_mask.extend([int(sampled)] * len(ids))
         self.sample_logprobs.extend(logprobs if sampled else [0.0] * len(ids))
-        self.token_versions.extend([version if sampled else -1] * len(ids))
+        if not sampled:
+            self.token_versions.extend([-1] * len(ids))
+        elif isinstance(version, int):
+            self.token_versions.extend([version] * len(ids))
+        else:
+            if len(version) != len(ids):
+                raise ValueError(f"{len(version)} versions for {len(ids)} tokens")
+            self.token_versions.extend(version)
 
     @property
     def num_generated(self) -> int:

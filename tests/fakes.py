@@ -29,3 +29,43 @@ class ScriptedPolicy:
                 )
             )
         return out
+
+
+class ScriptedSession:
+    """A DecodeSession fake: each key's next turn is `script(context) -> text`, emitted one token
+    per step (the sampled token is fed lazily, like the real sessions)."""
+
+    def __init__(self, tokenizer, script: Callable[[list[int]], str]):
+        self.tokenizer, self.script, self.version = tokenizer, script, 0
+        self.context: dict = {}
+        self.queued: dict = {}
+        self.pending: dict = {}
+        self.steps: list[list] = []  # the keys of every step() call
+
+    def add(self, keys, token_ids):
+        for key, ids in zip(keys, token_ids, strict=True):
+            self.context.setdefault(key, []).extend(self.pending.pop(key, []) + list(ids))
+            self.queued.pop(key, None)
+        return [None] * len(keys)
+
+    def step(self, keys, params: SamplingParams):
+        from types import SimpleNamespace
+
+        self.steps.append(list(keys))
+        out = []
+        for key in keys:
+            self.context[key].extend(self.pending.pop(key, []))
+            if key not in self.queued:
+                text = self.script(self.context[key])
+                self.queued[key] = self.tokenizer.encode(text, add_special_tokens=False)
+            token = self.queued[key].pop(0)
+            if not self.queued[key]:
+                del self.queued[key]
+            self.pending[key] = [token]
+            out.append(SimpleNamespace(token=token, logprob=-0.5, routes=None))
+        return out
+
+    def drop(self, keys):
+        for key in keys:
+            for store in (self.context, self.queued, self.pending):
+                store.pop(key, None)

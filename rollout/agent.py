@@ -1,0 +1,277 @@
+"""The agent loop with no barrier: live episodes on one decode session, each at its own turn.
+
+Each live episode keeps its policy context (cache) in a `DecodeSession` (policy/session.py)
+from its first token to its last. One `tick()`:
+
+    1. tool calls that finished are turned into observations; an observation's tokens are
+       appended to the episode's context by a chunked prefill of those tokens only
+       (`session.add`), never by re-prefilling the history
+    2. one decode step (`session.step`) for every episode that is generating, whatever its turn
+       (continuous batching across episodes and turns)
+    3. turns that ended (a stop token or max_new_tokens) are parsed and their env step (the
+       tool calls) is submitted to a thread pool: a slow tool stalls only its own episode;
+       one that runs past `tool_timeout_s` ends that episode as an env error
+
+Every sampled token is recorded when it is sampled: its behaviour logprob, the policy version
+whose logits produced it, and (MoE) the experts every position was routed to when it was
+forwarded, each position exactly once: routing replay uses exactly those.
+
+`deterministic=True` (sync mode, evaluation) applies the tool results of a tick before the
+next decode step, in episode order, so a run is reproducible bit for bit; async workers use
+`deterministic=False`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from policy.sampling import SamplingParams
+from rollout.episode import EpisodeLimits
+from rollout.render import ChatRenderer
+from rollout.types import RolloutStatus, Trajectory
+
+
+class Sampled(Protocol):
+    token: int
+    logprob: float
+    routes: list | None
+
+
+class Session(Protocol):
+    """What the loop needs of policy.session.DecodeSession."""
+
+    version: int
+
+    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[list | None]: ...
+    def step(self, keys: list[Hashable], params: SamplingParams) -> list[Sampled]: ...
+    def drop(self, keys: list[Hashable]) -> None: ...
+
+
+@dataclass(slots=True, kw_only=True)
+class Episode:
+    """One live episode: its env, its trajectory so far, and where its current turn stands."""
+
+    key: str
+    """Unique while live: `<group_id>/<index>`; the session's key for its context."""
+    env: Any
+    traj: Trajectory
+    tools: list[dict] = field(default_factory=list)
+    routes: list | None = None
+    """[P][M][Kx]: experts per forwarded position (MoE policies), in order."""
+    feed: list[int] = field(default_factory=list)
+    """Tokens to append to the context before decoding (prompt, observation, restored history)."""
+    turn_ids: list[int] = field(default_factory=list)
+    turn_logps: list[float] = field(default_factory=list)
+    turn_versions: list[int] = field(default_factory=list)
+    logits_version: int = -1
+    """Policy version that computed the logits the next token is sampled from."""
+    pending: bool = False
+    """The session holds a sampled token not yet fed (its logits are not computed yet)."""
+    tool: Future | None = None
+    tool_deadline: float = 0.0
+    done: bool = False
+    env_broken: bool = False
+    """The env may be in a bad state (a tool that timed out): do not reuse it."""
+
+    def finish(self, status: RolloutStatus, detail: str, outcome=None) -> None:
+        self.traj.status, self.traj.finish_detail, self.done = status, detail, True
+        self.traj.outcome = outcome
+
+    @property
+    def generating(self) -> bool:
+        return not self.done and self.tool is None and not self.feed
+
+
+def start_episode(env, seed: int, key: str, task_id: str, renderer: ChatRenderer) -> Episode:
+    """Reset `env` and render the opening prompt (fed to the session on the next tick)."""
+    observation, info = env.reset(seed=seed)
+    traj = Trajectory(task_id=task_id, messages=copy.deepcopy(observation))
+    traj.append(renderer.prompt(observation, info.get("tools", [])), sampled=False)
+    traj.prompt_length = len(traj.token_ids)
+    return Episode(key=key, env=env, traj=traj, tools=info.get("tools", []), feed=traj.token_ids[:])
+
+
+class AgentLoop:
+    """Live episodes advanced together on one session; see the module docstring."""
+
+    def __init__(
+        self,
+        session: Session,
+        renderer: ChatRenderer,
+        limits: EpisodeLimits,
+        *,
+        tool_timeout_s: float = 60.0,
+        deterministic: bool = True,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        self.session, self.renderer, self.limits = session, renderer, limits
+        self.tool_timeout_s, self.deterministic = tool_timeout_s, deterministic
+        self.pool = pool or ThreadPoolExecutor(max_workers=16, thread_name_prefix="agentrl-tool")
+        self.live: dict[str, Episode] = {}
+        self.generated = 0
+        """Tokens sampled by this loop (partial rollouts count them against a budget)."""
+
+    def add(self, episode: Episode) -> None:
+        if episode.key in self.live:
+            raise ValueError(f"episode {episode.key!r} is already live")
+        self.live[episode.key] = episode
+
+    def tick(self, params: SamplingParams, *, decode: bool = True) -> list[Episode]:
+        """Advance every live episode one step; returns (and forgets) the finished ones."""
+        self._collect_tools(block=False)
+        self._feed(params)
+        if decode:
+            self._decode(params)
+        if self.deterministic:
+            self._collect_tools(block=True)
+            self._feed(params)
+        return self._reap()
+
+    def idle(self) -> bool:
+        """True when no episode can decode: all wait on tools (or none is live)."""
+        return not any(e.generating or e.feed for e in self.live.values())
+
+    def wait_tools(self, timeout_s: float) -> None:
+        futures = [e.tool for e in self.live.values() if e.tool is not None]
+        if futures:
+            wait_futures(futures, timeout=timeout_s, return_when="FIRST_COMPLETED")
+
+    def detach(self, key: str) -> Episode:
+        """Take a live episode out (e.g. to save it); its context stays in the session."""
+        return self.live.pop(key)
+
+    # -- the three phases ---------------------------------------------------------------------
+    def _collect_tools(self, *, block: bool) -> None:
+        now = time.monotonic()
+        for episode in self.live.values():
+            if episode.tool is None:
+                continue
+            left = episode.tool_deadline - time.monotonic()
+            if block and left > 0:
+                wait_futures([episode.tool], timeout=left)
+            if episode.tool.done():
+                future, episode.tool = episode.tool, None
+                self._after_env_step(episode, future)
+            elif now >= episode.tool_deadline or (block and not episode.tool.done()):
+                episode.tool, episode.env_broken = None, True
+                episode.finish(
+                    RolloutStatus.ENV_ERROR, f"env step timed out after {self.tool_timeout_s:g} s"
+                )
+
+    def _feed(self, params: SamplingParams) -> None:
+        ready = [e for e in self.live.values() if e.feed and not e.done]
+        for e in ready:  # a turn needs room for max_new_tokens more
+            if len(e.traj.token_ids) + params.max_new_tokens > self.limits.max_seq_len:
+                e.finish(RolloutStatus.TRUNCATED, "context full")
+        ready = [e for e in ready if not e.done]
+        if not ready:
+            return
+        routes = self.session.add([e.key for e in ready], [e.feed for e in ready])
+        for episode, new in zip(ready, routes, strict=True):
+            episode.feed, episode.pending = [], False
+            episode.logits_version = self.session.version
+            _extend_routes(episode, new)
+
+    def _decode(self, params: SamplingParams) -> None:
+        active = [e for e in self.live.values() if e.generating]
+        if not active:
+            return
+        version = self.session.version
+        for episode, s in zip(
+            active, self.session.step([e.key for e in active], params), strict=True
+        ):
+            _extend_routes(episode, s.routes)
+            episode.turn_versions.append(version if episode.pending else episode.logits_version)
+            episode.logits_version, episode.pending = version, True
+            episode.turn_ids.append(int(s.token))
+            episode.turn_logps.append(float(s.logprob))
+            self.generated += 1
+            stopped = int(s.token) in params.stop_token_ids
+            if stopped or len(episode.turn_ids) >= params.max_new_tokens:
+                self._end_turn(episode, stopped)
+
+    def _end_turn(self, episode: Episode, stopped: bool) -> None:
+        traj, ids = episode.traj, episode.turn_ids
+        traj.append(ids, sampled=True, logprobs=episode.turn_logps, version=episode.turn_versions)
+        episode.turn_ids, episode.turn_logps, episode.turn_versions = [], [], []
+        traj.num_turns += 1
+        if not stopped:
+            episode.finish(RolloutStatus.TRUNCATED, "turn hit max_new_tokens")
+            return
+        parsed = self.renderer.parse(ids)
+        traj.num_parse_errors += len(parsed.errors)
+        traj.messages.append(parsed.message)
+        episode.tool = self.pool.submit(_env_step, episode.env, parsed.message)
+        episode.tool_deadline = time.monotonic() + self.tool_timeout_s
+
+    def _after_env_step(self, episode: Episode, future: Future) -> None:
+        traj = episode.traj
+        try:
+            observation, _, terminated, truncated, info = future.result()
+        except Exception as exc:  # an env bug ends this episode, not the worker
+            episode.finish(RolloutStatus.ENV_ERROR, f"{type(exc).__name__}: {exc}")
+            return
+        traj.num_tool_calls += int(info.get("tool_calls", 0))
+        traj.num_tool_errors += int(info.get("tool_errors", 0))
+        if terminated or truncated:
+            traj.messages.extend(observation)
+            status = RolloutStatus.COMPLETED if terminated else RolloutStatus.TRUNCATED
+            detail = "env terminated" if terminated else "env truncated"
+            episode.finish(status, detail, info.get("outcome"))
+            return
+        ids = self.renderer.observation(traj.messages, observation, episode.tools)
+        traj.messages.extend(copy.deepcopy(observation))
+        traj.append(ids, sampled=False)
+        if traj.num_turns >= self.limits.max_turns:
+            episode.finish(RolloutStatus.TRUNCATED, "out of turns")
+            return
+        episode.feed = ids
+
+    def _reap(self) -> list[Episode]:
+        done = [e for e in self.live.values() if e.done]
+        if done:
+            self.session.drop([e.key for e in done])
+        for episode in done:
+            del self.live[episode.key]
+            if episode.routes is not None:
+                episode.traj.routed_experts = episode.routes
+        return done
+
+
+def run_all(
+    loop: AgentLoop,
+    episodes: list[Episode],
+    params: SamplingParams,
+    *,
+    max_live: int,
+    before_step: Callable[[], None] | None = None,
+) -> list[Trajectory]:
+    """Run `episodes` to the end, at most `max_live` at once; trajectories in input order."""
+    waiting = list(reversed(episodes))
+    while waiting or loop.live:
+        while waiting and len(loop.live) < max_live:
+            loop.add(waiting.pop())
+        if before_step is not None:
+            before_step()
+        loop.tick(params)
+        if loop.idle() and loop.live:
+            loop.wait_tools(0.05)
+    return [e.traj for e in episodes]
+
+
+def _env_step(env, message):
+    return env.step(message)
+
+
+def _extend_routes(episode: Episode, new: list | None) -> None:
+    if new is None:
+        return
+    if episode.routes is None:
+        episode.routes = []
+    episode.routes.extend(new)

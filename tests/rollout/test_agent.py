@@ -1,0 +1,137 @@
+"""The barrier-free agent loop (rollout/agent.py) on a scripted session: the same trajectories as
+the per-turn loop, episodes at different turns in one decode step, a slow tool that stalls only
+its own episode, tool timeouts, and per-token policy versions across a weight update."""
+
+from __future__ import annotations
+
+import time
+
+import gymnasium
+
+import envs  # noqa: F401
+from policy.sampling import SamplingParams
+from rollout.agent import AgentLoop, run_all, start_episode
+from rollout.episode import EpisodeLimits, run_episodes
+from rollout.render import ChatRenderer
+from rollout.types import RolloutStatus
+from tests.fakes import ScriptedPolicy, ScriptedSession
+from tests.rollout.test_render_and_episode import expert_script
+
+
+def params_for(renderer, max_new_tokens=64):
+    return SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(renderer.eos_token_id,))
+
+
+def episodes(renderer, n, make_env=None):
+    make_env = make_env or (lambda: gymnasium.make("agentrl/Calculator-v0"))
+    return [start_episode(make_env(), seed, f"g/{seed}", f"t{seed}", renderer) for seed in range(n)]
+
+
+def fields(traj):
+    return (
+        traj.token_ids,
+        traj.loss_mask,
+        traj.sample_logprobs,
+        traj.messages,
+        traj.status,
+        traj.finish_detail,
+        traj.num_turns,
+        traj.num_tool_calls,
+        traj.outcome,
+    )
+
+
+def test_same_trajectories_as_the_per_turn_loop(tokenizer):
+    renderer = ChatRenderer(tokenizer)
+    for script, limits in (
+        (expert_script(tokenizer), EpisodeLimits()),
+        (lambda _: "<tool_call>{oops</tool_call><|im_end|>", EpisodeLimits(max_turns=3)),
+        (lambda _: "1 2 3 4 5 6 7 8 " * 20, EpisodeLimits()),
+        (
+            lambda _: "<tool_call>{}</tool_call><|im_end|>",
+            EpisodeLimits(max_turns=50, max_seq_len=300),
+        ),
+    ):
+        old = run_episodes(
+            [gymnasium.make("agentrl/Calculator-v0") for _ in range(4)],
+            list(range(4)),
+            [f"t{i}" for i in range(4)],
+            policy=ScriptedPolicy(tokenizer, script),
+            renderer=renderer,
+            sampling=params_for(renderer),
+            limits=limits,
+        )
+        loop = AgentLoop(ScriptedSession(tokenizer, script), renderer, limits)
+        new = run_all(loop, episodes(renderer, 4), params_for(renderer), max_live=2)
+        assert [fields(t) for t in new] == [fields(t) for t in old]
+
+
+class SlowEnv(gymnasium.Wrapper):
+    def __init__(self, env, delay):
+        super().__init__(env)
+        self.delay = delay
+
+    def step(self, action):
+        time.sleep(self.delay)
+        return self.env.step(action)
+
+
+def test_a_slow_tool_stalls_only_its_own_episode(tokenizer):
+    renderer = ChatRenderer(tokenizer)
+    session = ScriptedSession(tokenizer, expert_script(tokenizer))
+    loop = AgentLoop(session, renderer, EpisodeLimits(), deterministic=False)
+    eps = episodes(renderer, 3)
+    eps[0].env = SlowEnv(eps[0].env, 1.5)
+    for e in eps:
+        loop.add(e)
+    finished, start = {}, time.monotonic()
+    while loop.live:
+        for e in loop.tick(params_for(renderer)):
+            finished[e.key] = time.monotonic() - start
+        if loop.idle():
+            loop.wait_tools(0.02)
+    assert finished["g/1"] < 1.0 and finished["g/2"] < 1.0 and finished["g/0"] >= 1.5
+    assert all(e.traj.status is RolloutStatus.COMPLETED for e in eps)
+    # while episode 0 waited on its tool, the others decoded their second turn without it
+    assert any("g/0" not in keys and "g/1" in keys for keys in session.steps)
+
+
+def test_a_tool_past_its_timeout_ends_only_that_episode(tokenizer):
+    renderer = ChatRenderer(tokenizer)
+    loop = AgentLoop(
+        ScriptedSession(tokenizer, expert_script(tokenizer)),
+        renderer,
+        EpisodeLimits(),
+        tool_timeout_s=0.3,
+        deterministic=False,
+    )
+    eps = episodes(renderer, 2)
+    eps[1].env = SlowEnv(eps[1].env, 2.0)
+    trajs = run_all(loop, eps, params_for(renderer), max_live=2)
+    assert trajs[0].status is RolloutStatus.COMPLETED
+    assert trajs[1].status is RolloutStatus.ENV_ERROR and "timed out" in trajs[1].finish_detail
+    assert eps[1].env_broken
+
+
+def test_tokens_carry_the_version_that_sampled_them(tokenizer):
+    renderer = ChatRenderer(tokenizer)
+    session = ScriptedSession(tokenizer, expert_script(tokenizer))
+    loop = AgentLoop(session, renderer, EpisodeLimits())
+    (episode,) = episodes(renderer, 1)
+    ticks = 0
+
+    def bump():  # a new policy version is installed between two decode steps
+        nonlocal ticks
+        ticks += 1
+        if ticks == 6:
+            session.version = 7
+
+    run_all(loop, [episode], params_for(renderer), max_live=1, before_step=bump)
+    versions = [
+        v for v, m in zip(episode.traj.token_versions, episode.traj.loss_mask, strict=True) if m
+    ]
+    assert versions[:4] == [0] * 4 and versions[-1] == 7 and set(versions) == {0, 7}
+    unsampled = {
+        v for v, m in zip(episode.traj.token_versions, episode.traj.loss_mask, strict=True) if not m
+    }
+    assert unsampled == {-1}
