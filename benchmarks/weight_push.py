@@ -1,11 +1,16 @@
-"""Weight push throughput: learner -> N rollout workers through Ray, against a plain in-process
-copy of the same bytes (the floor any transport is measured against).
+"""Weight push throughput: learner -> N rollout workers through a real local Ray, against a plain
+in-process copy of the same bytes (the floor any transport is measured against), in one run.
 
-    .venv/bin/python benchmarks/weight_push.py [--mb 256] [--workers 2] [--repeats 3]
+    .venv/bin/python benchmarks/weight_push.py [--models quickstart 128 256] [--workers 2]
 
-Prints a markdown table: seconds per push, GB/s delivered (bytes x workers / seconds) and the
-ratio to the in-process copy. Each push is verified (per-bucket and whole-push CRC32) and installed
-whole, exactly as in training.
+`quickstart` is the quickstart's policy (k3-tiny, its real tensors); a number is that many MiB of
+float32 tensors of a few sizes, like a model's layers. Prints a markdown table per model: seconds
+per push, GB/s delivered (bytes x workers / seconds) and the ratio to the in-process copy. Each
+push is exactly what training does: the learner's export takes the checksum (xxh3 per tensor,
+`policy.hf.checksum`), the buckets' checksums come from it, every worker hashes each bucket once
+as it arrives, verifies the whole push and installs it whole through `import_verified` (torch
+`copy_` into preallocated tensors, as into a model's parameters); afterwards every worker's
+tensors are checked to hash to the learner's.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import ray
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from policy.hf import checksum
+from policy.hf import checksum, import_verified
 from rl.weights import Publisher, Receiver, connect_broadcast, push_weights
 
 
@@ -37,16 +43,23 @@ def fake_model(total_mb: int) -> dict[str, np.ndarray]:
     return weights
 
 
+def model_weights(model: str) -> dict[str, np.ndarray]:
+    if model != "quickstart":
+        return fake_model(int(model))
+    from policy.hf import build_model, export_weights
+
+    return export_weights(build_model("agentrl_k3", {"preset": "k3-tiny"}, vocab_size=768))
+
+
 class Learner:
-    def __init__(self, total_mb: int, bucket_mb: float):
-        self.weights = fake_model(total_mb)
-        self.total = checksum(self.weights)
+    def __init__(self, model: str, bucket_mb: float):
+        self.weights = model_weights(model)
         self.version = 0
         self.publisher = Publisher(self.export, bucket_mb=bucket_mb)
 
-    def export(self):
+    def export(self):  # what rl/learner.py's export does, less gathering the tensors
         self.version += 1
-        return self.version, self.weights, self.total
+        return self.version, self.weights, checksum(self.weights)
 
     def publish(self):
         return self.publisher.publish()
@@ -64,23 +77,30 @@ class Learner:
         self.publisher.broadcast()
 
 
+class StateDict:
+    """What import_weights needs of a model: its tensors by name."""
+
+    def __init__(self, weights: dict[str, np.ndarray]):
+        self.tensors = {name: torch.from_numpy(np.zeros_like(a)) for name, a in weights.items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+
 class Worker:
-    def __init__(self):
-        self.installed: dict[str, np.ndarray] = {}
+    def __init__(self, model: str):
+        torch.set_num_threads(1)  # rollout.threads_per_worker
+        self.model = StateDict(model_weights(model))
         self.receiver = Receiver(self.install)
 
-    def install(self, version, weights, expected):
-        if checksum(weights) != expected:
-            raise ValueError("corrupt push")
-        for name, array in weights.items():  # what import_weights does: copy into the model
-            target = self.installed.get(name)
-            if target is None:
-                self.installed[name] = np.array(array)
-            else:
-                np.copyto(target, array)
+    def install(self, version, weights, expected):  # = K3Policy/HFPolicy.load_weights
+        import_verified(self.model, version, weights, expected)
 
     def receive_object_store(self, manifest, refs):
         return self.receiver.receive_object_store(manifest, refs)
+
+    def fingerprint(self) -> int:
+        return int(checksum({n: t.numpy() for n, t in self.model.state_dict().items()}))
 
     def join_broadcast(self, address, port, rank, world, timeout_s):
         self.receiver.join(address, port, rank, world, timeout_s)
@@ -100,46 +120,70 @@ def in_process_copy(weights: dict[str, np.ndarray], repeats: int) -> float:
     return best
 
 
+def bench(model: str, args) -> list[tuple[str, float, float]]:
+    weights = model_weights(model)
+    nbytes = sum(a.nbytes for a in weights.values())
+    copy_s = in_process_copy(weights, max(args.repeats, 5))
+    rows = []
+    for transport in ("object_store", "broadcast"):
+        learner = ray.remote(Learner).remote(model, args.bucket_mb)
+        workers = [ray.remote(Worker).remote(model) for _ in range(args.workers)]
+        if transport == "broadcast":
+            connect_broadcast(learner, workers, timeout_s=120)
+        push_weights(learner, workers, timeout_s=600, transport=transport)  # warm-up
+        seconds = []
+        for _ in range(args.repeats):
+            time.sleep(args.gap)  # training rolls out between pushes; the last push's objects go
+            seconds.append(
+                push_weights(learner, workers, timeout_s=600, transport=transport)["seconds"]
+            )
+        installed = ray.get([w.fingerprint.remote() for w in workers])
+        assert installed == [checksum(weights)] * args.workers, "a worker installed other bytes"
+        rows.append((f"{transport} -> {args.workers} workers", min(seconds), np.median(seconds)))
+        for actor in [learner, *workers]:
+            ray.kill(actor)
+    copy_s = min(copy_s, in_process_copy(weights, max(args.repeats, 5)))  # again, after the pushes
+    copy_rate = nbytes / copy_s / 1e9
+    label = model if model == "quickstart" else f"{model} MiB"
+    print(
+        f"\n{label}: {nbytes / 2**20:.1f} MiB in {len(weights)} tensors, {args.bucket_mb:g} MiB "
+        f"buckets, {args.workers} workers, {args.repeats} pushes {args.gap:g} s apart\n"
+    )
+    print(
+        "| path | seconds (best / median) | GB/s delivered (best / median) "
+        "| vs in-process copy (best / median) |\n|---|---|---|---|"
+    )
+    print(f"| in-process copy (the floor) | {copy_s:.4f} | {copy_rate:.2f} | 1.00x |")
+    for name, best, median in rows:
+        rates = [nbytes * args.workers / s / 1e9 for s in (best, median)]
+        print(
+            f"| {name} | {best:.4f} / {median:.4f} | {rates[0]:.2f} / {rates[1]:.2f} "
+            f"| {rates[0] / copy_rate:.2f}x / {rates[1] / copy_rate:.2f}x |"
+        )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--mb", type=int, default=256)
+    p.add_argument("--models", nargs="+", default=["quickstart", "128", "256"])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--gap", type=float, default=0.5, help="seconds between pushes")
     args = p.parse_args()
+    largest = max((int(m) for m in args.models if m != "quickstart"), default=16)
     here = str(Path(__file__).resolve().parent)
     ray.init(
         address="local",
         num_cpus=args.workers + 1,
         include_dashboard=False,
-        object_store_memory=max(4 * args.mb, 512) << 20,
+        object_store_memory=max(4 * largest, 512) << 20,
         logging_level="error",
         runtime_env={"env_vars": {"PYTHONPATH": f"{here}:{Path(here).parent}"}},
     )
     try:
-        copy_s = in_process_copy(fake_model(args.mb), args.repeats)
-        nbytes = args.mb << 20
-        rows = [("in-process copy (1x, the floor)", copy_s, nbytes / copy_s / 1e9)]
-        for transport in ("object_store", "broadcast"):
-            learner = ray.remote(Learner).remote(args.mb, args.bucket_mb)
-            workers = [ray.remote(Worker).remote() for _ in range(args.workers)]
-            if transport == "broadcast":
-                connect_broadcast(learner, workers, timeout_s=120)
-            push_weights(learner, workers, timeout_s=600, transport=transport)  # warm-up
-            best = min(
-                push_weights(learner, workers, timeout_s=600, transport=transport)["seconds"]
-                for _ in range(args.repeats)
-            )
-            rows.append(
-                (f"{transport} -> {args.workers} workers", best, nbytes * args.workers / best / 1e9)
-            )
-        print(
-            f"\nweight push of {args.mb} MiB float32 ({args.bucket_mb:g} MiB buckets), "
-            f"best of {args.repeats}\n"
-        )
-        print("| path | seconds | GB/s delivered | vs in-process copy |\n|---|---|---|---|")
-        for name, seconds, rate in rows:
-            print(f"| {name} | {seconds:.3f} | {rate:.2f} | {rate / rows[0][2]:.2f}x |")
+        for model in args.models:
+            bench(model, args)
     finally:
         ray.shutdown()
 

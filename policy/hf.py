@@ -7,12 +7,13 @@ No downloads: `from_pretrained` is called with `local_files_only=True`.
 from __future__ import annotations
 
 import warnings
-import zlib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from policy.generate import generate
@@ -58,14 +59,75 @@ def export_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
     }
 
 
-def checksum(weights: dict[str, np.ndarray]) -> int:
-    """CRC32 over names, shapes, dtypes and bytes, in a fixed order."""
-    crc = 0
-    for name in sorted(weights):
-        array = weights[name]
-        crc = zlib.crc32(f"{name}:{array.shape}:{array.dtype}".encode(), crc)
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"), crc)
-    return crc
+class Checksum(int):
+    """The checksum of a set of weights (an int) that also keeps each tensor's digest
+    (`digests`: name -> int), so a weight push derives its per-bucket checksums from it instead
+    of reading every byte again. Arithmetic on it gives a plain int."""
+
+    digests: dict[str, int]
+
+    def __new__(cls, value: int, digests: dict[str, int] | None = None):
+        self = super().__new__(cls, value)
+        self.digests = digests or {}
+        return self
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """An array's bytes in C order as a flat uint8 array (a view unless it is not contiguous)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def tensor_digest(name: str, array: np.ndarray) -> int:
+    """xxh3-64 of one tensor's bytes (through a memoryview, no copy), seeded by its name, shape
+    and dtype."""
+    header = xxhash.xxh3_64_intdigest(f"{name}:{array.shape}:{array.dtype.str}".encode())
+    return xxhash.xxh3_64_intdigest(memoryview(as_bytes(array)), seed=header)
+
+
+def combine(digests: Iterable[int]) -> int:
+    """One xxh3-64 over a sequence of digests (a bucket's, or a whole push's, in name order)."""
+    return xxhash.xxh3_64_intdigest(np.fromiter(digests, dtype=np.uint64).tobytes())
+
+
+def checksum(weights: Mapping[str, np.ndarray]) -> Checksum:
+    """xxh3-64 over names, shapes, dtypes and bytes, in a fixed (sorted) order: one digest per
+    tensor, combined. A bucket's checksum is `combine` of its tensors' digests, so the digests
+    kept in the result give every bucket's checksum without another pass over the bytes."""
+    digests = {name: tensor_digest(name, weights[name]) for name in sorted(weights)}
+    return Checksum(combine(digests.values()), digests)
+
+
+class VerifiedWeights(Mapping):
+    """Read-only weights whose every tensor was hashed on arrival and whose digests combine to
+    `checksum`; `import_verified` trusts it instead of hashing all the bytes a second time.
+    Make one with `verified()`."""
+
+    __slots__ = ("_weights", "checksum")
+
+    def __init__(self, weights: dict[str, np.ndarray], total: int):
+        self._weights, self.checksum = weights, int(total)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._weights[name]
+
+    def __iter__(self):
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+
+def verified(
+    version: int, weights: dict[str, np.ndarray], digests: dict[str, int], expected: int
+) -> VerifiedWeights:
+    """Weights whose tensors were hashed into `digests` as they arrived (each exactly once), after
+    checking that those digests cover exactly these names and combine to `expected`."""
+    if digests.keys() != weights.keys():
+        raise ValueError(f"weights for version {version} are corrupt: digests do not cover them")
+    got = combine(digests[name] for name in sorted(weights))
+    if got != expected:
+        raise ValueError(f"weights for version {version} are corrupt: checksum {got} != {expected}")
+    return VerifiedWeights(weights, expected)
 
 
 def bucketize(weights: dict[str, np.ndarray], bucket_bytes: int) -> list[list[str]]:
@@ -83,7 +145,7 @@ def bucketize(weights: dict[str, np.ndarray], bucket_bytes: int) -> list[list[st
     return buckets
 
 
-def import_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
+def import_weights(model: torch.nn.Module, weights: Mapping[str, np.ndarray]) -> None:
     """Copy arrays into the model in place (strict: names and shapes must match)."""
     state = model.state_dict()
     missing = sorted(set(state) - set(weights))
@@ -101,11 +163,15 @@ def import_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> No
             tensor.copy_(source)
 
 
-def import_verified(model, version: int, weights: dict[str, np.ndarray], expected: int) -> None:
-    """import_weights after checking the push's checksum; corrupt weights are never installed."""
-    got = checksum(weights)
-    if got != expected:
-        raise ValueError(f"weights for version {version} are corrupt: checksum {got} != {expected}")
+def import_verified(model, version: int, weights: Mapping[str, np.ndarray], expected: int) -> None:
+    """import_weights after checking the push's checksum; corrupt weights are never installed.
+    `VerifiedWeights` (a receiver hashed every tensor on arrival) are not hashed again."""
+    if not (isinstance(weights, VerifiedWeights) and weights.checksum == expected):
+        got = checksum(weights)
+        if got != expected:
+            raise ValueError(
+                f"weights for version {version} are corrupt: checksum {got} != {expected}"
+            )
     import_weights(model, weights)
 
 

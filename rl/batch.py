@@ -41,6 +41,8 @@ class TrainBatch:
     (the last record repeated past the recorded positions); None without records."""
     routed_NT: torch.Tensor | None = None
     """[N, T] True where `routes_NTMK` holds a real record (for the mismatch metric)."""
+    versions_NT: torch.Tensor | None = None
+    """[N, T-1] policy version that sampled each target token (-1 where it was not sampled)."""
 
     @property
     def size(self) -> int:
@@ -62,6 +64,7 @@ class TrainBatch:
             self.turn_mask_NK[index],
             None if self.routes_NTMK is None else self.routes_NTMK[index, :width],
             None if self.routed_NT is None else self.routed_NT[index, :width],
+            None if self.versions_NT is None else self.versions_NT[index, : width - 1],
         )
 
 
@@ -106,6 +109,7 @@ def pack(
     ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     attn = torch.zeros((n, width), dtype=torch.long)
     mask, old, adv = (torch.zeros((n, width - 1)) for _ in range(3))
+    token_versions = torch.full((n, width - 1), -1, dtype=torch.long)
     starts = []
     for row, (traj, a) in enumerate(chosen):
         length = len(traj.token_ids)
@@ -114,6 +118,8 @@ def pack(
         mask[row, : length - 1] = torch.tensor(traj.loss_mask[1:], dtype=torch.float32)
         old[row, : length - 1] = torch.tensor(traj.sample_logprobs[1:], dtype=torch.float32)
         adv[row, : length - 1] = a
+        sampled_by = traj.token_versions[1:length]
+        token_versions[row, : len(sampled_by)] = torch.tensor(sampled_by, dtype=torch.long)
         starts.append(_turn_starts(traj.loss_mask[1:]))
     turns = max(1, max(len(s) for s in starts))
     turn_pos = torch.zeros((n, turns), dtype=torch.long)
@@ -139,6 +145,7 @@ def pack(
         turn_mask,
         routes,
         routed,
+        token_versions,
     )
 
 

@@ -228,8 +228,20 @@ class TrainerConfig:
     entropy_coef: float = 0.0
     """Entropy bonus (subtracted from the loss, times the token-mean entropy)."""
     tis_cap: float | None = None
-    """Truncated importance sampling: recompute the learner's logprobs before the update and
-    weight each token by min(pi_learner / pi_rollout, tis_cap). null: off."""
+    """The cap of the per-token importance weight of `off_policy` (tis: needed; decoupled: null
+    leaves the weight untruncated). Setting it alone turns on off_policy decoupled."""
+    off_policy: Literal["none", "tis", "decoupled"] | None = None
+    """Per-token correction for tokens sampled by another policy (older versions, another engine;
+    rl/losses.py has the formulas). none: the ratio is taken against the sampling (behaviour)
+    logprobs. tis: the same, with every token's importance weight truncated at tis_cap.
+    decoupled: a no-grad forward before the update gives the proximal logprobs; the clip acts on
+    pi / pi_proximal and each token is weighted by min(pi_proximal / pi_behaviour, tis_cap).
+    null: decoupled when tis_cap is set, else none."""
+    ppo_epochs: int = 1
+    """Passes over each batch (reshuffled every pass); one step() is still one policy version."""
+    mini_batch_size: int | None = None
+    """Trajectories per optimizer step (must divide batch_size); null: the whole batch. A step()
+    takes ppo_epochs x batch_size / mini_batch_size optimizer steps."""
     gamma: float = 1.0
     """PPO: discount between turns."""
     lam: float = 0.95
@@ -287,6 +299,7 @@ class TrainerConfig:
             raise ConfigError("clip_low", f"must be in (0, 1), got {self.clip_low}")
         if self.tis_cap is not None and self.tis_cap < 1:
             raise ConfigError("tis_cap", f"must be >= 1 (it caps a ratio), got {self.tis_cap}")
+        self._check_epochs()
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(name, f"must be in [0, 1], got {getattr(self, name)}")
@@ -304,6 +317,29 @@ class TrainerConfig:
             raise ConfigError(
                 "batch_size",
                 f"must be a multiple of group_size ({self.group_size}); got {self.batch_size}",
+            )
+
+    def _check_epochs(self) -> None:
+        if self.ppo_epochs < 1:
+            raise ConfigError(
+                "ppo_epochs", f"must be >= 1 (passes over each batch), got {self.ppo_epochs}"
+            )
+        mini = self.mini_batch_size
+        if mini is not None and not (1 <= mini <= self.batch_size and self.batch_size % mini == 0):
+            raise ConfigError(
+                "mini_batch_size",
+                f"must divide batch_size ({self.batch_size}) (trajectories per optimizer step; "
+                f"null: the whole batch); got {mini}",
+            )
+        if self.off_policy is None:
+            self.off_policy = "none" if self.tis_cap is None else "decoupled"
+        if self.off_policy == "tis" and self.tis_cap is None:
+            raise ConfigError("tis_cap", "off_policy tis truncates at tis_cap: set it (e.g. 2.0)")
+        if self.off_policy == "none" and self.tis_cap is not None:
+            raise ConfigError(
+                "tis_cap",
+                "has no effect with off_policy none: set off_policy to tis or decoupled, "
+                "or drop tis_cap",
             )
 
     @property

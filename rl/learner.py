@@ -4,7 +4,8 @@ A plain class; `rl/actors.py` makes each learner rank a Ray actor. With several 
 (`shard.world > 1`) rank 0 reads and acks the stream, every rank trains on its slice of the batch
 (FSDP2 + expert parallel, `policy/parallel.py`), and losses are normalised by whole-batch counts
 so the summed gradients equal one rank's. Letters: N = trajectories, T = tokens, K = turns,
-D = hidden size. One `step()` = one optimizer step = one new policy version.
+D = hidden size. One `step()` = one batch = `ppo_epochs` x (batch / `mini_batch_size`) optimizer
+steps = one new policy version.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ from rl.algorithms import algorithm_for
 from rl.batch import TrainBatch, drop_flat_groups, pack, spread_turn_values
 from rl.config import TrainerConfig
 from rl.distributed import Shard
+from rl.learner_stats import (
+    average,
+    decoupled_weights,
+    largest,
+    length_metrics,
+    mini_batches,
+    share_rows,
+    staleness_metrics,
+    step_metrics,
+)
 from rl.losses import LossStats, Normalizers, policy_loss, value_loss
 from rollout.types import TrajectoryGroup
 
@@ -134,29 +145,60 @@ class Learner:
         return metrics
 
     def _train(self, batch: TrainBatch) -> dict[str, float]:
+        """`ppo_epochs` passes over the batch, reshuffled each time, one optimizer step per
+        mini-batch. The old logprobs (behaviour, or proximal for decoupled), PPO's values and
+        returns and the reference logprobs are computed once, before the first step."""
+        cfg = self.cfg
         order = torch.randperm(batch.size, generator=self.generator)
-        pieces = self.shard.micro_batches(order, self.cfg.micro_batch_size)
-        prep = self._prepare(batch, pieces)
+        prep = self._prepare(batch, self.shard.micro_batches(order, cfg.micro_batch_size))
+        metrics = {
+            **staleness_metrics(batch.versions_NT, batch.loss_mask_NT, self.version),
+            **length_metrics(batch.loss_mask_NT),
+            "learner/loss_tokens": float(batch.loss_mask_NT.sum()),
+        }
         is_weight_NT = None
-        if prep.learner_logp_NT is not None and self.cfg.tis_cap is not None:
-            is_weight_NT = (
-                (prep.learner_logp_NT - batch.old_logp_NT).exp().clamp(max=self.cfg.tis_cap)
+        if cfg.off_policy == "decoupled":
+            is_weight_NT, weights = decoupled_weights(
+                prep.learner_logp_NT, batch.old_logp_NT, batch.loss_mask_NT, cfg.tis_cap
             )
-            batch.old_logp_NT = prep.learner_logp_NT  # the ratio is taken against the learner
+            batch.old_logp_NT = prep.learner_logp_NT  # the clip acts on pi / pi_prox
+            metrics.update(weights)
         if self.algo.critic:
             batch.adv_NT = spread_turn_values(prep.returns_NK - prep.values_NK, batch)
-        metrics = self._update(batch, prep, pieces, is_weight_NT)
-        if is_weight_NT is not None:
-            weight = self.shard.sum({"w": float((is_weight_NT * batch.loss_mask_NT).sum())})["w"]
-            metrics["learner/tis_weight_mean"] = weight / float(
-                batch.loss_mask_NT.sum().clamp(min=1)
-            )
+        steps, routing, largest_ratio = [], {}, 0.0
+        for epoch in range(cfg.ppo_epochs):
+            if epoch:
+                order = torch.randperm(batch.size, generator=self.generator)
+            for mini in mini_batches(order, cfg.mini_batch_size):
+                sums, grad_norm = self._update(batch, prep, mini, is_weight_NT, epoch == 0)
+                _add(routing, {k: v for k, v in sums.items() if k.startswith("routing.")})
+                largest_ratio = max(largest_ratio, sums.pop("local.is_weight_max"))
+                steps.append(step_metrics(sums, grad_norm))
+        metrics.update(self._step_summary(average(steps), routing, largest_ratio))
+        taken = sum(math.isfinite(step["learner/grad_norm"]) for step in steps)
+        metrics["learner/optimizer_steps"] = float(taken)  # a non-finite gradient's is skipped
         return metrics
+
+    def _step_summary(self, means: dict, routing: dict, largest_ratio: float) -> dict:
+        """The averaged step metrics that apply to this run, plus routing and expert balance."""
+        drop = {
+            "learner/ref_kl": self.reference is None,
+            "learner/value_loss": not self.algo.critic,
+        }
+        tis = self.cfg.off_policy == "tis"
+        drop["learner/tis_weight_mean"] = drop["learner/tis_truncated_fraction"] = not tis
+        out = {k: v for k, v in means.items() if not drop.get(k, False)}
+        if tis:
+            out["learner/tis_weight_max"] = largest(self.shard, largest_ratio)
+        out.update(_mismatch_metrics(routing))
+        out.update(self._balance_experts())  # once per batch (see _balance_experts)
+        return out
 
     @torch.no_grad()
     def _prepare(self, batch: TrainBatch, pieces: list[torch.Tensor]) -> Prepared:
-        """Old logprobs (TIS), values (PPO) and reference logprobs (KL) for this rank's rows."""
-        need_logp = self.cfg.tis_cap is not None
+        """Proximal logprobs (decoupled), values (PPO) and reference logprobs (KL) of the whole
+        batch: each rank computes its rows, then they are shared."""
+        need_logp = self.cfg.off_policy == "decoupled"
         if not (need_logp or self.algo.critic or self.reference is not None):
             return Prepared()
         shape_NT, shape_NK = batch.loss_mask_NT.shape, batch.turn_mask_NK.shape
@@ -165,7 +207,7 @@ class Learner:
             values_NK=torch.zeros(shape_NK) if self.algo.critic else None,
             ref_logp_NT=torch.zeros(shape_NT) if self.reference is not None else None,
         )
-        for index, _ in _pieces(pieces):
+        for index, scale in _pieces(pieces):
             mb = batch.rows(index)
             width = mb.loss_mask_NT.shape[1]
             select = mb.loss_mask_NT > 0
@@ -176,6 +218,8 @@ class Learner:
                 select,
                 replay_experts=self._replay(mb),
             )
+            if not scale:  # an empty piece's stand-in row belongs to another rank
+                continue
             if need_logp:
                 prep.learner_logp_NT[index, :width] = logp
             if self.algo.critic:
@@ -183,6 +227,7 @@ class Learner:
             if self.reference is not None:
                 ref_hidden = decoder_hidden(self.reference, mb.input_ids_NT, mb.attention_mask_NT)
                 prep.ref_logp_NT[index, :width] = self._logp(self.reference, ref_hidden, mb)
+        share_rows(self.shard, prep.learner_logp_NT, prep.values_NK, prep.ref_logp_NT)
         if self.algo.critic:
             _, prep.returns_NK = gae(
                 _turn_rewards(batch),
@@ -214,17 +259,24 @@ class Learner:
         index_NKD = mb.turn_pos_NK[:, :, None].expand(-1, -1, hidden_NTD.shape[-1])
         return self.value_head(hidden_NTD.gather(1, index_NKD))[..., 0] * mb.turn_mask_NK
 
-    def _update(self, batch, prep: Prepared, pieces, is_weight_NT) -> dict[str, float]:
+    def _update(
+        self, batch, prep: Prepared, mini: torch.Tensor, is_weight_NT, first_pass: bool
+    ) -> tuple[dict[str, float], float]:
+        """One optimizer step on the mini-batch `mini` (rows of `batch`), accumulated over this
+        rank's micro-batches and normalised by the whole mini-batch's counts (all ranks).
+        Returns the all-rank sums and the gradient norm. Router statistics and the routing
+        mismatch are taken on the batch's first pass only (every token once)."""
         self.optimizer.zero_grad(set_to_none=True)
-        norm = Normalizers.of(batch.loss_mask_NT)
-        turns = float(batch.turn_mask_NK.sum().clamp(min=1))
+        norm = Normalizers.of(batch.loss_mask_NT[mini])
+        turns = float(batch.turn_mask_NK[mini].sum().clamp(min=1))
+        cap = self.cfg.tis_cap if self.cfg.off_policy == "tis" else None
         totals, sums = LossStats(), {"loss": 0.0, "entropy": 0.0, "value_loss": 0.0}
-        for index, scale in _pieces(pieces):
+        for index, scale in _pieces(self.shard.micro_batches(mini, self.cfg.micro_batch_size)):
             mb = batch.rows(index)
             width = mb.loss_mask_NT.shape[1]
             record = (
                 self.router_stats.record(token_mask=mb.attention_mask_NT)
-                if self.router_stats
+                if self.router_stats and first_pass
                 else contextlib.nullcontext()
             )
             with record:
@@ -234,7 +286,7 @@ class Learner:
                     self.temperature,
                     mb.loss_mask_NT > 0,
                     replay_experts=self._replay(mb),
-                    return_routing=self._measure_routing(mb),
+                    return_routing=self._measure_routing(mb) and first_pass,
                 )
             if routed is not None:
                 _add(sums, _routing_mismatch(routed, mb, scale))
@@ -246,6 +298,7 @@ class Learner:
                 self.algo.spec,
                 norm,
                 is_weight_BT=None if is_weight_NT is None else is_weight_NT[index, :width],
+                ratio_cap=cap,
                 ref_logp_BT=None if prep.ref_logp_NT is None else prep.ref_logp_NT[index, :width],
                 entropy_BT=entropy,
             )
@@ -265,9 +318,12 @@ class Learner:
             sums["entropy"] += float((entropy.detach() * mb.loss_mask_NT * scale).sum())
             totals.add(stats)
         self.shard.sync_replicated(self.value_head)
-        return self._finish_step(totals, sums)
+        grad_norm = self._optimizer_step()
+        sums = self.shard.sum({**sums, **{f"stat.{k}": getattr(totals, k) for k in totals.SUMMED}})
+        return {**sums, "local.is_weight_max": totals.is_weight_max}, grad_norm
 
-    def _finish_step(self, totals: LossStats, sums: dict[str, float]) -> dict[str, float]:
+    def _optimizer_step(self) -> float:
+        """Clip, step (never with a NaN/Inf gradient: counted in skipped_steps), zero."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = self.shard.clip_grad_norm(params, self.cfg.max_grad_norm)
         if math.isfinite(grad_norm):
@@ -275,30 +331,13 @@ class Learner:
         else:  # a NaN/Inf gradient never reaches the weights
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        moe = self._balance_experts()
-        sums = self.shard.sum(
-            {**sums, **{f"stat.{k}": getattr(totals, k) for k in LossStats.__slots__}}
-        )
-        tokens = max(sums["stat.tokens"], 1.0)
-        metrics = {
-            "learner/loss": sums["loss"],
-            "learner/entropy": sums["entropy"] / tokens,
-            "learner/clip_fraction": sums["stat.clipped_tokens"] / tokens,
-            "learner/approx_kl": sums["stat.approx_kl_sum"] / tokens,
-            "learner/ratio_mean": sums["stat.ratio_sum"] / tokens,
-            "learner/grad_norm": grad_norm,
-            "learner/loss_tokens": sums["stat.tokens"],
-            **moe,
-        }
-        if self.reference is not None:
-            metrics["learner/ref_kl"] = sums["stat.ref_kl_sum"] / tokens
-        if self.algo.critic:
-            metrics["learner/value_loss"] = sums["value_loss"]
-        metrics.update(_mismatch_metrics(sums))
-        return metrics
+        return grad_norm
 
     def _balance_experts(self) -> dict[str, float]:
-        """Quantile Balancing from this step's global routing statistics; per-layer load."""
+        """Quantile Balancing once per batch (per policy version, whatever ppo_epochs and the
+        mini-batches), from the global routing statistics of the batch's first pass: the bias
+        stays fixed during the optimizer steps, so the ratio measures only the gradient's
+        change, and its step size does not grow with the number of optimizer steps."""
         if self.router_stats is None:
             return {}
         loads = self.router_stats.load_metrics()

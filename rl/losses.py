@@ -6,11 +6,30 @@ masked mean of that over the sequence, shared by its tokens) and r = exp(w):
     clip   (grpo, dr_grpo, dapo, gspo, ppo): l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
     cispo:                                   l = -sg(min(r, eps_high)) A logp
 
-optionally times a truncated importance-sampling weight (behaviour-policy correction), plus
-kl_coef * KL(pi || ref) per token (k1 or k3 estimator). The per-token losses are aggregated by
+plus kl_coef * KL(pi || ref) per token (k1 or k3 estimator). The per-token losses are aggregated by
 `aggregation` over the *whole* batch: pass `Normalizers` computed on the full batch when
 accumulating micro-batches so the summed gradients equal the full batch's. An entropy bonus
 subtracts entropy_coef x the token-mean entropy.
+
+Off-policy correction (`trainer.off_policy`; mu = the behaviour policy that sampled the token,
+its logprob recorded by the rollout; C = `tis_cap`):
+
+    none       old = mu. PPO with the sampling policy as the old policy (verl's "bypass mode").
+    tis        old = mu, and the importance weight r = pi / mu (gspo: the sequence's) is
+               truncated at C where the objective uses it: the unclipped branch becomes
+               min(r, C) A with gradient min(r, C) A grad(log pi), so every token's gradient is
+               -1[not clipped] min(r, C) A grad(log pi) (cispo: the weight is
+               sg(min(r, clip_high, C))). Truncated IS (Yao et al. 2025,
+               "Your efficient RL framework secretly brings you off-policy RL training";
+               verl's token-level TIS) inside PPO's pessimistic min: the clip bounds r for A > 0,
+               the cap bounds it for A < 0, where PPO alone leaves it unbounded (dual-clip PPO,
+               Ye et al. 2020, zeroes that gradient instead). No extra forward.
+    decoupled  old = pi_prox, the learner's own logprobs from a no-grad forward before the
+               batch's first update (fixed during the epochs), and every token is weighted by
+               sg(rho), rho = min(pi_prox / mu, C) (C null: untruncated): decoupled PPO (Hilton et
+               al. 2021, "Batch size-invariance for policy optimization"; AReaL, Fu et al. 2025,
+               whose behav_imp_weight_cap drops tokens with rho > C where we truncate; verl's
+               decoupled mode; TRL's vllm_importance_sampling_correction, token_truncate).
 
 `policy_loss_reference` is the same thing as plain Python loops (tests compare them).
 """
@@ -65,10 +84,27 @@ class LossStats:
     ratio_sum: float = 0.0
     ref_kl_sum: float = 0.0
     tokens: float = 0.0
+    is_weight_sum: float = 0.0
+    """tis: the truncated weights min(r, C) summed over tokens."""
+    truncated_tokens: float = 0.0
+    """tis: tokens whose r exceeded C."""
+    is_weight_max: float = 0.0
+    """tis: the largest untruncated r (combined with max, never summed)."""
+
+    SUMMED = (
+        "clipped_tokens",
+        "approx_kl_sum",
+        "ratio_sum",
+        "ref_kl_sum",
+        "tokens",
+        "is_weight_sum",
+        "truncated_tokens",
+    )
 
     def add(self, other: LossStats) -> None:
-        for name in LossStats.__slots__:
+        for name in LossStats.SUMMED:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.is_weight_max = max(self.is_weight_max, other.is_weight_max)
 
 
 def log_importance_weights(logp_BT, old_logp_BT, mask_BT, level: str) -> torch.Tensor:
@@ -112,19 +148,22 @@ def policy_loss(
     norm: Normalizers,
     *,
     is_weight_BT: torch.Tensor | None = None,
+    ratio_cap: float | None = None,
     ref_logp_BT: torch.Tensor | None = None,
     entropy_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
+    """`is_weight_BT`: decoupled's fixed per-token weight; `ratio_cap`: tis's C (module doc)."""
     mask_BT = mask_BT.to(logp_BT.dtype)
     log_w = log_importance_weights(logp_BT, old_logp_BT, mask_BT, spec.level)
     ratio = log_w.exp()
     if spec.objective == "cispo":
-        capped = ratio.clamp(max=spec.clip_high).detach()
+        cap = spec.clip_high if ratio_cap is None else min(spec.clip_high, ratio_cap)
+        capped = ratio.clamp(max=cap).detach()
         loss_BT = -capped * adv_BT * logp_BT
-        clipped = (ratio > spec.clip_high) & (adv_BT > 0)
+        clipped = (ratio > cap) & (adv_BT > 0)
     else:
         unclipped, bounded = (
-            ratio * adv_BT,
+            (ratio if ratio_cap is None else _truncated(log_w, ratio_cap)) * adv_BT,
             ratio.clamp(1 - spec.clip_low, 1 + spec.clip_high) * adv_BT,
         )
         loss_BT = -torch.minimum(unclipped, bounded)
@@ -139,7 +178,16 @@ def policy_loss(
     loss = aggregate(loss_BT, mask_BT, spec.aggregation, norm)
     if spec.entropy_coef and entropy_BT is not None:
         loss = loss - spec.entropy_coef * (entropy_BT * mask_BT).sum() / norm.tokens
-    return loss, _stats(logp_BT, old_logp_BT, mask_BT, clipped, ref_kl_BT)
+    stats = _stats(logp_BT, old_logp_BT, mask_BT, clipped, ref_kl_BT)
+    if ratio_cap is not None:
+        _truncation_stats(stats, ratio.detach().expand_as(mask_BT), mask_BT, ratio_cap)
+    return loss, stats
+
+
+def _truncated(log_w: torch.Tensor, cap: float) -> torch.Tensor:
+    """exp(log_w) with its value truncated at `cap` and gradient min(r, cap) grad(log_w)."""
+    excess = (log_w - math.log(cap)).clamp(min=0).detach()
+    return (log_w - excess).exp()
 
 
 def _stats(logp_BT, old_logp_BT, mask_BT, clipped, ref_kl_BT) -> LossStats:
@@ -153,6 +201,13 @@ def _stats(logp_BT, old_logp_BT, mask_BT, clipped, ref_kl_BT) -> LossStats:
             ref_kl_sum=float((ref_kl_BT * mask_BT).sum()) if ref_kl_BT is not None else 0.0,
             tokens=float(mask_BT.sum()),
         )
+
+
+def _truncation_stats(stats: LossStats, ratio_BT, mask_BT, cap: float) -> None:
+    sampled = mask_BT > 0
+    stats.is_weight_sum = float((ratio_BT.clamp(max=cap) * mask_BT).sum())
+    stats.truncated_tokens = float(((ratio_BT > cap) & sampled).sum())
+    stats.is_weight_max = float(ratio_BT[sampled].max()) if sampled.any() else 0.0
 
 
 def value_loss(

@@ -4,30 +4,40 @@ The learner exports full tensors once per push and splits them into buckets of a
 `bucket_mb`. Two transports carry the buckets:
 
 - `object_store`: each bucket is one Ray object of numpy arrays; workers on a node map the same
-  read-only memory, fetching one bucket at a time.
+  read-only memory; a worker fetches bucket i+1 (a thread) while it hashes bucket i.
 - `broadcast`: a gloo process group (learner = rank 0, workers = 1..N, set up once) broadcasts
-  each bucket as one flat byte tensor.
+  each bucket as one flat byte tensor; the next bucket is on the wire while one is hashed.
 
-Either way a worker verifies every bucket's CRC32 and the whole push's checksum before it
-installs anything, and installs all buckets at once: it serves version N or N-1, never a mix.
-A push not acknowledged by every worker within the timeout raises an error naming the workers.
+Checksums are xxh3-64 (`policy.hf.checksum`): one digest per tensor, a bucket's checksum combines
+its tensors' digests, the push's checksum combines all of them. Every byte is hashed once on each
+side: the learner at export (the checksum it returns keeps the digests the buckets are made of),
+a worker as each bucket arrives. A worker verifies every bucket and the whole push before it
+installs anything, then copies all buckets into its model at once: it serves version N or N-1,
+never a mix. A push not acknowledged by every worker within the timeout, or rejected by one,
+raises an error naming the workers.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import ray
 import torch
 
-from policy.hf import bucketize, checksum
+from policy.hf import as_bytes, bucketize, checksum, combine, tensor_digest, verified
 
 
 class WeightPushTimeout(TimeoutError):
     """Some workers did not install the new weights in time (their names are in the message)."""
+
+
+class WeightPushRejected(RuntimeError):
+    """Some workers refused the push (a corrupt bucket, a checksum mismatch) or died; their names
+    and the causes are in the message. Nothing corrupt was installed anywhere."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,23 +61,32 @@ class Manifest:
 def make_manifest(
     version: int, weights: dict[str, np.ndarray], bucket_mb: float, total: int | None = None
 ) -> Manifest:
-    """`total` is the checksum the learner took at export (recomputed when not given)."""
+    """`total` is the checksum the learner took at export: with `policy.hf.checksum`'s digests
+    the buckets' checksums come from them (no second pass over the bytes); otherwise, or when
+    not given, the tensors are hashed here once."""
+    digests = getattr(total, "digests", None)
+    if not digests or digests.keys() != weights.keys():
+        digests = checksum(weights).digests
     buckets = bucketize(weights, int(bucket_mb * 2**20))
+    whole = combine(digests[n] for names in buckets for n in names)  # from the same digests
     return Manifest(
         version=version,
         buckets=buckets,
-        bucket_checksums=[checksum({n: weights[n] for n in names}) for names in buckets],
-        checksum=checksum(weights) if total is None else total,
+        bucket_checksums=[combine(digests[n] for n in names) for names in buckets],
+        checksum=whole if total is None else int(total),
         specs={n: (tuple(a.shape), a.dtype.str) for n, a in weights.items()},
     )
 
 
-def verify_bucket(manifest: Manifest, index: int, bucket: dict[str, np.ndarray]) -> None:
-    if (
-        sorted(bucket) != sorted(manifest.buckets[index])
-        or checksum(bucket) != manifest.bucket_checksums[index]
-    ):
+def verify_bucket(manifest: Manifest, index: int, bucket: dict[str, np.ndarray]) -> list[int]:
+    """Hash bucket `index` (each byte once) against the manifest; its tensors' digests."""
+    names = manifest.buckets[index]
+    if len(bucket) != len(names) or any(n not in bucket for n in names):
         raise ValueError(f"weight bucket {index} of version {manifest.version} is corrupt")
+    digests = [tensor_digest(n, bucket[n]) for n in names]
+    if combine(digests) != manifest.bucket_checksums[index]:
+        raise ValueError(f"weight bucket {index} of version {manifest.version} is corrupt")
+    return digests
 
 
 # --- broadcast transport --------------------------------------------------------------------
@@ -81,29 +100,89 @@ def open_group(address: str, port: int, rank: int, world: int, timeout_s: float)
     )
 
 
+ALIGN = 64
+"""Byte alignment of every tensor inside a bucket's flat form."""
+
+
+def bucket_layout(manifest: Manifest, index: int) -> tuple[list[tuple[str, int, int]], int]:
+    """Where each tensor of bucket `index` lies in the bucket's flat bytes, as
+    (name, offset, nbytes), and the flat size; offsets are `ALIGN`-aligned."""
+    layout, offset = [], 0
+    for name in manifest.buckets[index]:
+        shape, dtype = manifest.specs[name]
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        layout.append((name, offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return layout, offset
+
+
+def pack_bucket(manifest: Manifest, index: int, weights: dict[str, np.ndarray]) -> np.ndarray:
+    """A bucket as one flat byte array (one copy; a view when it is one contiguous tensor)."""
+    layout, size = bucket_layout(manifest, index)
+    if len(layout) == 1:
+        return as_bytes(weights[layout[0][0]])
+    flat = np.empty(size, dtype=np.uint8)
+    end = 0
+    for name, offset, nbytes in layout:
+        flat[end:offset] = 0  # alignment padding
+        flat[offset : offset + nbytes] = as_bytes(weights[name])
+        end = offset + nbytes
+    flat[end:] = 0
+    return flat
+
+
+def unpack_bucket(manifest: Manifest, index: int, flat: np.ndarray) -> dict[str, np.ndarray]:
+    """Views of a bucket's tensors in its flat bytes (no copy)."""
+    layout, size = bucket_layout(manifest, index)
+    if flat.dtype != np.uint8 or flat.ndim != 1 or flat.size != size:
+        raise ValueError(f"weight bucket {index} of version {manifest.version} is corrupt")
+    bucket = {}
+    for name, offset, nbytes in layout:
+        shape, dtype = manifest.specs[name]
+        bucket[name] = flat[offset : offset + nbytes].view(np.dtype(dtype)).reshape(shape)
+    return bucket
+
+
 def send_buckets(group, manifest: Manifest, weights: dict[str, np.ndarray]) -> None:
-    for names in manifest.buckets:
-        flat = np.concatenate([weights[n].reshape(-1).view(np.uint8) for n in names])
-        group.broadcast(torch.from_numpy(flat), 0).wait()
+    """Broadcast every bucket; the next one is packed while the previous is on the wire."""
+    previous = None
+    for index in range(len(manifest.buckets)):
+        flat = torch.from_numpy(pack_bucket(manifest, index, weights))
+        if previous is not None:
+            previous[1].wait()
+        previous = (flat, group.broadcast(flat, 0))
+    if previous is not None:
+        previous[1].wait()
 
 
-def receive_buckets(group, manifest: Manifest) -> dict[str, np.ndarray]:
+def receive_buckets(group, manifest: Manifest) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Receive every bucket (bucket i+1 arrives while bucket i is hashed); all of them even after
+    a corrupt one, so the sender and the group stay in step, then raise."""
+
+    def start(index: int):
+        buffer = torch.empty(bucket_layout(manifest, index)[1], dtype=torch.uint8)
+        return buffer, group.broadcast(buffer, 0)
+
     weights: dict[str, np.ndarray] = {}
+    digests: dict[str, int] = {}
+    error: ValueError | None = None
+    pending = start(0) if manifest.buckets else None
     for index, names in enumerate(manifest.buckets):
-        sizes = [
-            int(np.prod(manifest.specs[n][0])) * np.dtype(manifest.specs[n][1]).itemsize
-            for n in names
-        ]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        group.broadcast(buffer, 0).wait()
-        raw, offset, bucket = buffer.numpy(), 0, {}
-        for name, size in zip(names, sizes, strict=True):
-            shape, dtype = manifest.specs[name]
-            bucket[name] = raw[offset : offset + size].view(np.dtype(dtype)).reshape(shape)
-            offset += size
-        verify_bucket(manifest, index, bucket)
+        buffer, work = pending
+        work.wait()
+        if index + 1 < len(manifest.buckets):
+            pending = start(index + 1)
+        if error is not None:
+            continue
+        bucket = unpack_bucket(manifest, index, buffer.numpy())
+        try:
+            digests.update(zip(names, verify_bucket(manifest, index, bucket), strict=True))
+        except ValueError as err:
+            error = err
         weights.update(bucket)
-    return weights
+    if error is not None:
+        raise error
+    return weights, digests
 
 
 # --- the two ends, as plain classes the actors delegate to ----------------------------------
@@ -144,27 +223,42 @@ class Publisher:
 
 
 class Receiver:
-    """Worker side. `install(version, weights, checksum)` verifies the push, then swaps it in."""
+    """Worker side. `install(version, weights, checksum)` gets `policy.hf.VerifiedWeights` (every
+    bucket and the whole push already verified, each byte hashed once) and copies them in."""
 
     def __init__(self, install):
         self.install = install
         self.group = None
 
     def receive_object_store(self, manifest: Manifest, refs: list) -> int:
-        weights = {}
-        for index, ref in enumerate(refs):  # one bucket in memory at a time while fetching
-            bucket = ray.get(ref)
-            verify_bucket(manifest, index, bucket)
-            weights.update(bucket)
-        self.install(manifest.version, weights, manifest.checksum)
+        if len(refs) != len(manifest.buckets):
+            raise ValueError(f"{len(refs)} buckets for a manifest of {len(manifest.buckets)}")
+        weights: dict[str, np.ndarray] = {}
+        digests: dict[str, int] = {}
+        fetcher = ThreadPoolExecutor(1, thread_name_prefix="weight-fetch")
+        try:
+            fetch = fetcher.submit(ray.get, refs[0]) if refs else None
+            for index, names in enumerate(manifest.buckets):
+                bucket = fetch.result()
+                if index + 1 < len(refs):  # bucket i+1 is fetched while bucket i is hashed
+                    fetch = fetcher.submit(ray.get, refs[index + 1])
+                digests.update(zip(names, verify_bucket(manifest, index, bucket), strict=True))
+                weights.update(bucket)  # read-only views of the object store: no copy
+        finally:  # a corrupt bucket or a cancelled push does not wait for the next fetch
+            fetcher.shutdown(wait=False, cancel_futures=True)
+        self._install(manifest, weights, digests)
         return manifest.version
 
     def join(self, address: str, port: int, rank: int, world: int, timeout_s: float) -> None:
         self.group = open_group(address, port, rank, world, timeout_s)
 
     def receive_broadcast(self, manifest: Manifest) -> int:
-        self.install(manifest.version, receive_buckets(self.group, manifest), manifest.checksum)
+        self._install(manifest, *receive_buckets(self.group, manifest))
         return manifest.version
+
+    def _install(self, manifest: Manifest, weights: dict, digests: dict[str, int]) -> None:
+        whole = verified(manifest.version, weights, digests, manifest.checksum)
+        self.install(manifest.version, whole, manifest.checksum)
 
 
 def connect_broadcast(learner, workers, *, timeout_s: float) -> None:
@@ -192,14 +286,26 @@ def push_weights(learner, workers, *, timeout_s: float, transport: str = "object
         sender = None
         pending = {w.receive_object_store.remote(manifest, refs): i for i, w in enumerate(workers)}
     ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+    versions, rejected = [], []
+    for ref in sorted(ready, key=pending.get):  # in worker order
+        try:
+            versions.append(ray.get(ref))
+        except ray.exceptions.RayError as err:  # a rejected push, or a dead worker
+            cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
+            rejected.append(f"worker-{pending[ref]} ({cause!r})")
     if not_ready:
         names = ", ".join(f"worker-{pending[ref]}" for ref in not_ready)
         for ref in not_ready:
             ray.cancel(ref, force=False)
+        also = f"failed on {'; '.join(rejected)}; " if rejected else ""
         raise WeightPushTimeout(
-            f"weight push not acknowledged within {timeout_s:.0f} s by: {names}"
+            f"weight push of version {manifest.version} {also}not acknowledged within "
+            f"{timeout_s:.0f} s by: {names}"
         )
-    versions = ray.get(ready)  # raises here if a worker rejected the weights
+    if rejected:
+        raise WeightPushRejected(
+            f"weight push of version {manifest.version} failed on {'; '.join(rejected)}"
+        )
     if sender is not None:
         ray.get(sender)
     if set(versions) != {manifest.version}:

@@ -64,6 +64,9 @@ class Episode:
     tools: list[dict] = field(default_factory=list)
     routes: list | None = None
     """[P][M][Kx]: experts per forwarded position (MoE policies), in order."""
+    skip_routes: int = 0
+    """Positions whose routes are already in `routes` (a restored episode: its history is
+    forwarded again to rebuild the cache, but the routes recorded at sampling time stay)."""
     feed: list[int] = field(default_factory=list)
     """Tokens to append to the context before decoding (prompt, observation, restored history)."""
     turn_ids: list[int] = field(default_factory=list)
@@ -114,6 +117,8 @@ class AgentLoop:
         self.tool_timeout_s, self.deterministic = tool_timeout_s, deterministic
         self.pool = pool or ThreadPoolExecutor(max_workers=16, thread_name_prefix="agentrl-tool")
         self.live: dict[str, Episode] = {}
+        self.on_boundary: Callable[[Episode], None] | None = None
+        """Called when an episode is between two turns (its observation appended, env idle)."""
         self.generated = 0
         """Tokens sampled by this loop (partial rollouts count them against a budget)."""
 
@@ -232,6 +237,8 @@ class AgentLoop:
             episode.finish(RolloutStatus.TRUNCATED, "out of turns")
             return
         episode.feed = ids
+        if self.on_boundary is not None:
+            self.on_boundary(episode)
 
     def _reap(self) -> list[Episode]:
         done = [e for e in self.live.values() if e.done]
@@ -272,6 +279,10 @@ def _env_step(env, message):
 def _extend_routes(episode: Episode, new: list | None) -> None:
     if new is None:
         return
+    if episode.skip_routes:
+        skip = min(episode.skip_routes, len(new))
+        episode.skip_routes -= skip
+        new = new[skip:]
     if episode.routes is None:
         episode.routes = []
     episode.routes.extend(new)

@@ -10,7 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl.losses import LossSpec, Normalizers, policy_loss, policy_loss_reference, value_loss
+from rl.losses import (
+    LossSpec,
+    LossStats,
+    Normalizers,
+    policy_loss,
+    policy_loss_reference,
+    value_loss,
+)
 
 
 def inputs(seed=0, b=5, t=9):
@@ -175,6 +182,7 @@ def trl_loss(
     beta=0.0,
     ref=None,
     max_len=None,
+    is_ratio=None,
 ):
     from trl import GRPOTrainer
 
@@ -188,7 +196,8 @@ def trl_loss(
         loss_type=loss_type,
         epsilon_low=eps_low,
         epsilon_high=eps_high,
-        use_vllm=False,
+        use_vllm=is_ratio is not None,  # TRL applies its IS correction to vLLM samples only
+        vllm_importance_sampling_correction=is_ratio is not None,
         model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1,
         max_completion_length=max_len or logp.shape[1],
@@ -207,6 +216,7 @@ def trl_loss(
         "old_per_token_logps": old,
         "num_items_in_batch": mask.sum(),
         "ref_per_token_logps": ref,
+        "importance_sampling_ratio": is_ratio,
     }
     return GRPOTrainer._compute_loss(fake, None, batch)
 
@@ -251,3 +261,45 @@ def test_losses_and_gradients_equal_trl(name):
     g_ours = torch.autograd.grad(ours, logp)[0]
     g_theirs = torch.autograd.grad(theirs, logp)[0]
     assert torch.allclose(g_ours, g_theirs, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo"])
+def test_decoupled_weights_equal_trl_token_truncate(name):
+    """off_policy decoupled = TRL's vllm_importance_sampling_correction, token_truncate: the
+    clip on pi / pi_old (the learner's own logprobs), each token x min(pi_old / mu, cap)."""
+    spec = SPECS[name]
+    logp, old, adv, mask = inputs(seed=11)
+    behaviour = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.5
+    weight = (old - behaviour).exp().clamp(max=2.0)
+    ours, _ = policy_loss(
+        logp, old, adv.expand_as(logp), mask, spec, Normalizers.of(mask), is_weight_BT=weight
+    )
+    theirs = trl_loss(
+        name, logp, old, adv, mask, eps_low=spec.clip_low, eps_high=spec.clip_high, is_ratio=weight
+    )
+    assert torch.allclose(ours, theirs, atol=1e-12, rtol=0)
+    g_ours, g_theirs = (torch.autograd.grad(x, logp)[0] for x in (ours, theirs))
+    assert torch.allclose(g_ours, g_theirs, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "cispo"])
+def test_tis_cap_micro_batches_sum_to_the_full_batch(name):
+    spec = SPECS[name]
+    logp, old, adv, mask = inputs(seed=12, b=6)
+    old = old - 0.3  # ratios above the cap for some tokens
+    norm = Normalizers.of(mask)
+    full, stats = policy_loss(logp, old, adv.expand_as(logp), mask, spec, norm, ratio_cap=1.1)
+    parts = [
+        policy_loss(
+            logp[i : i + 2], old[i : i + 2], adv[i : i + 2].expand(2, 9), mask[i : i + 2], spec,
+            norm, ratio_cap=1.1,
+        )
+        for i in range(0, 6, 2)
+    ]  # fmt: skip
+    total = LossStats()
+    for _, part in parts:
+        total.add(part)
+    grads = [torch.autograd.grad(x, logp)[0] for x in (full, sum(p[0] for p in parts))]
+    assert torch.allclose(grads[0], grads[1], atol=1e-14)
+    assert 0 < total.truncated_tokens == stats.truncated_tokens <= stats.tokens
+    assert total.is_weight_max == stats.is_weight_max

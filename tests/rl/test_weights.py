@@ -1,16 +1,36 @@
-"""Weight push through a real local Ray, both transports: bucketed, verified on arrival,
-installed whole, and a stuck worker is named."""
+"""Weight push through a real local Ray, both transports: bucketed, verified on arrival (each
+byte hashed once per side), installed whole, and a stuck or rejecting worker is named."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import ray
 
-from policy.hf import HFPolicy, build_model, checksum, export_weights
-from rl.weights import Publisher, Receiver, WeightPushTimeout, connect_broadcast, push_weights
+from policy.hf import (
+    HFPolicy,
+    VerifiedWeights,
+    build_model,
+    checksum,
+    export_weights,
+    import_verified,
+    verified,
+)
+from rl.weights import (
+    Publisher,
+    Receiver,
+    WeightPushRejected,
+    WeightPushTimeout,
+    connect_broadcast,
+    make_manifest,
+    pack_bucket,
+    push_weights,
+    unpack_bucket,
+    verify_bucket,
+)
 from tests.conftest import TINY_MODEL
 
 pytestmark = pytest.mark.distributed
@@ -34,7 +54,7 @@ def local_ray():
 class LearnerStub:
     """The weight-publishing half of LearnerHost, over a tiny model."""
 
-    def __init__(self, corrupt: bool = False):
+    def __init__(self, corrupt: str = ""):
         self.model = build_model("qwen3", TINY_MODEL, vocab_size=300, seed=1)
         self.corrupt = corrupt
         self.publisher = Publisher(self.export, bucket_mb=0.02)  # several buckets
@@ -42,8 +62,10 @@ class LearnerStub:
     def export(self):
         weights = export_weights(self.model)
         total = checksum(weights)
-        if self.corrupt:  # damaged after the checksums were taken, as in transit
+        if self.corrupt == "bucket":  # damaged after the checksums were taken, as in transit
             weights["lm_head.weight"] = weights["lm_head.weight"] + 1
+        elif self.corrupt == "total":  # every bucket intact, the push's checksum wrong
+            total = int(total) + 1
         return 7, weights, total
 
     def publish(self):
@@ -63,6 +85,9 @@ class LearnerStub:
 
     def expected(self):
         return checksum(export_weights(self.model))
+
+    def set_corrupt(self, corrupt: str):
+        self.corrupt = corrupt
 
 
 class WorkerStub:
@@ -89,7 +114,7 @@ class WorkerStub:
         return self.policy.version, checksum(export_weights(self.policy.model))
 
 
-def actors(n=2, corrupt=False, transport="object_store"):
+def actors(n=2, corrupt="", transport="object_store"):
     learner = ray.remote(LearnerStub).remote(corrupt=corrupt)
     workers = [ray.remote(WorkerStub).remote() for _ in range(n)]
     if transport == "broadcast":
@@ -106,13 +131,28 @@ def test_push_installs_identical_weights_everywhere(local_ray, transport):
     assert ray.get([w.fingerprint.remote() for w in workers]) == [(7, expected)] * 2
 
 
-@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
-def test_corrupt_buckets_are_rejected_and_nothing_is_installed(local_ray, transport):
-    learner, workers = actors(n=1, corrupt=True, transport=transport)
-    before = ray.get(workers[0].fingerprint.remote())
-    with pytest.raises(ray.exceptions.RayTaskError, match="corrupt"):
+@pytest.mark.parametrize(
+    ("transport", "corrupt", "cause"),
+    [
+        ("object_store", "bucket", r"weight bucket \d+ of version 7 is corrupt"),
+        ("broadcast", "bucket", r"weight bucket \d+ of version 7 is corrupt"),
+        ("object_store", "total", r"weights for version 7 are corrupt: checksum"),
+        ("broadcast", "total", r"weights for version 7 are corrupt: checksum"),
+    ],
+)
+def test_corrupt_pushes_are_rejected_by_name_and_nothing_is_installed(
+    local_ray, transport, corrupt, cause
+):
+    learner, workers = actors(n=2, corrupt=corrupt, transport=transport)
+    before = ray.get([w.fingerprint.remote() for w in workers])
+    with pytest.raises(WeightPushRejected, match=rf"worker-0 .*{cause}.*; worker-1 .*{cause}"):
         push_weights(learner, workers, timeout_s=60, transport=transport)
-    assert ray.get(workers[0].fingerprint.remote()) == before  # version 0, old weights: no mix
+    assert ray.get([w.fingerprint.remote() for w in workers]) == before  # old weights: no mix
+    if transport == "broadcast":  # every bucket was drained: the group still works
+        ray.get(learner.set_corrupt.remote(""))
+        assert push_weights(learner, workers, timeout_s=60, transport=transport)["version"] == 7
+        expected = ray.get(learner.expected.remote())
+        assert ray.get([w.fingerprint.remote() for w in workers]) == [(7, expected)] * 2
 
 
 def test_a_stuck_worker_times_out_by_name(local_ray):
@@ -123,3 +163,71 @@ def test_a_stuck_worker_times_out_by_name(local_ray):
     with pytest.raises(WeightPushTimeout, match=r"by: worker-1$"):
         push_weights(learner, workers, timeout_s=3)
     assert time.monotonic() - start < 15
+
+
+def test_checksums_are_per_tensor_digests_combined_and_taken_once(tiny_model, monkeypatch):
+    """The push's checksum equals `checksum` of the weights whatever the buckets; bucket checksums
+    come from the export's digests (no second pass on the learner); a worker's verified weights are
+    not hashed again at install."""
+    import policy.hf as hf
+
+    weights = export_weights(tiny_model)
+    total = checksum(weights)
+    assert total == checksum(dict(reversed(weights.items())))  # order-independent
+    calls = []
+    real = hf.tensor_digest
+    monkeypatch.setattr(hf, "tensor_digest", lambda n, a: calls.append(n) or real(n, a))
+    import rl.weights
+
+    monkeypatch.setattr(rl.weights, "tensor_digest", hf.tensor_digest)
+    small = make_manifest(3, weights, 0.02, total)
+    large = make_manifest(3, weights, 64, total)
+    assert calls == []  # the export's digests made every bucket checksum
+    assert len(small.buckets) > 3 and len(large.buckets) == 1
+    assert small.checksum == large.checksum == total == make_manifest(3, weights, 0.02).checksum
+    assert len(calls) == len(weights)  # without the export's digests: hashed here, once
+    calls.clear()
+    digests = {}
+    for index, names in enumerate(small.buckets):
+        bucket = {n: weights[n] for n in names}
+        digests.update(zip(names, verify_bucket(small, index, bucket), strict=True))
+    assert sorted(calls) == sorted(weights)  # each tensor hashed exactly once on arrival
+    calls.clear()
+    whole = verified(3, weights, digests, small.checksum)
+    assert isinstance(whole, VerifiedWeights) and dict(whole) == weights
+    import_verified(tiny_model, 3, whole, small.checksum)
+    assert calls == []  # verified weights are installed without hashing them again
+    import_verified(tiny_model, 3, weights, total)  # a plain dict is hashed
+    assert len(calls) == len(weights)
+    with pytest.raises(ValueError, match="corrupt"):
+        verified(3, weights, digests, small.checksum + 1)
+    bad = dict(weights, **{"lm_head.weight": weights["lm_head.weight"] + np.float32(1e-7)})
+    with pytest.raises(ValueError, match="corrupt"):  # verified against another checksum: rehashed
+        import_verified(tiny_model, 3, VerifiedWeights(bad, 5), small.checksum)
+    index = next(i for i, names in enumerate(small.buckets) if "lm_head.weight" in names)
+    with pytest.raises(ValueError, match=f"bucket {index} of version 3 is corrupt"):
+        verify_bucket(small, index, {n: bad[n] for n in small.buckets[index]})
+
+
+def test_broadcast_buckets_pack_to_aligned_bytes_and_back():
+    weights = {
+        "a.half": np.arange(7, dtype=np.float16),  # 14 bytes: the next tensor needs padding
+        "b.long": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "c.scalar": np.array(2.5, dtype=np.float32),
+        "d.empty": np.zeros((0, 4), dtype=np.float32),
+        "e.strided": np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2],  # not contiguous
+    }
+    manifest = make_manifest(1, weights, bucket_mb=64)
+    assert len(manifest.buckets) == 1
+    flat = pack_bucket(manifest, 0, weights)
+    received = flat.copy()
+    bucket = unpack_bucket(manifest, 0, received)
+    for array in bucket.values():  # views of the received bytes, each at a 64-byte offset
+        assert array.base is not None and array.flags.aligned
+        assert (array.ctypes.data - received.ctypes.data) % 64 == 0 or array.size == 0
+    for name, array in weights.items():
+        np.testing.assert_array_equal(bucket[name], array)
+        assert bucket[name].dtype == array.dtype and bucket[name].shape == array.shape
+    verify_bucket(manifest, 0, bucket)
+    with pytest.raises(ValueError, match="corrupt"):
+        unpack_bucket(manifest, 0, flat[:-1])

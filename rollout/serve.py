@@ -1,0 +1,238 @@
+"""Asynchronous rollouts: a worker that never waits for the learner.
+
+`AsyncRollouts.run()` loops until told to stop:
+
+    install a newer weight version if one was staged (between two decode steps; live episodes
+      keep their caches and go on under the new version)
+    admit: claim tasks from the durable queue (rollout/tasks.py) while there is room for a whole
+      group and generation is allowed (the staleness gate); each episode starts fresh or
+      continues from its saved state (env state included; cache rebuilt by prefill)
+    one AgentLoop tick (decode step for every generating episode, tools concurrently)
+    save episodes that reached a turn boundary; keep finished ones (saved as final)
+    a group whose last episode finished: score it, then XADD + XACK in one transaction
+
+Partial rollouts: with `token_budget`, a worker samples at most that many tokens per policy
+version; when it is spent it saves every live episode (mid-turn included) and pauses decoding
+until a newer version arrives, keeping the caches (the same worker continues them). If it dies
+instead, the saved states let any worker continue them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from policy.sampling import SamplingParams
+from rollout.agent import AgentLoop, Episode, start_episode
+from rollout.codec import decode_episode, encode_episode
+from rollout.tasks import Task, TaskQueue
+from rollout.types import Trajectory, TrajectoryGroup
+
+
+@dataclass(slots=True)
+class _Group:
+    task: Task
+    done: dict[int, Trajectory] = field(default_factory=dict)
+    saved_turns: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeOptions:
+    consumer: str
+    group_size: int
+    max_episodes: int = 64
+    token_budget: int | None = None
+    claim_idle_ms: int = 20_000
+    heartbeat_s: float = 2.0
+
+
+class AsyncRollouts:
+    def __init__(self, worker, queue: TaskQueue, loop: AgentLoop, options: ServeOptions):
+        self.worker, self.queue, self.loop, self.opt = worker, queue, loop, options
+        self.groups: dict[str, _Group] = {}
+        self.free_envs: list[Any] = []
+        self.finished: list[Trajectory] = []
+        self.counters = {"restored_episodes": 0, "paused_seconds": 0.0, "idle_seconds": 0.0}
+        self.budget_start = 0
+        self.version = loop.session.version
+        self.paused = False
+        self.snapshots: dict[str, tuple[int, bytes]] = {}
+        loop.on_boundary = self._snapshot
+
+    def run(
+        self,
+        params: SamplingParams,
+        *,
+        should_stop: Callable[[], bool],
+        install: Callable[[], None],
+        may_generate: Callable[[], bool],
+    ) -> None:
+        last_beat = 0.0
+        while not should_stop():
+            install()
+            self._on_version()
+            if time.monotonic() - last_beat > self.opt.heartbeat_s:
+                self.queue.heartbeat(self.opt.consumer, [g.task for g in self.groups.values()])
+                last_beat = time.monotonic()
+            allowed = may_generate() and not self._over_budget()
+            if allowed:
+                self._admit()
+            start = time.monotonic()
+            for episode in self.loop.tick(params, decode=allowed):
+                self._finished(episode)
+            self._save_turn_boundaries()
+            self._complete_groups()
+            if not allowed or self.loop.idle():
+                self._wait(allowed, start)
+
+    # -- admission and budget ----------------------------------------------------------------
+    def _on_version(self) -> None:
+        if self.loop.session.version != self.version:
+            self.version, self.paused = self.loop.session.version, False
+            self.budget_start = self.loop.generated
+
+    def _over_budget(self) -> bool:
+        budget = self.opt.token_budget
+        if budget is None or self.loop.generated - self.budget_start < budget:
+            return False
+        if not self.paused:  # spent: save every live episode, then wait for a newer version
+            self._save(list(self.loop.live.values()))
+            self.paused = True
+        return True
+
+    def _admit(self) -> None:
+        room = self.opt.max_episodes - len(self.loop.live)
+        count = room // self.opt.group_size
+        if count <= 0:
+            return
+        held = frozenset(g.task.entry_id for g in self.groups.values())
+        claimed = self.queue.claim(
+            self.opt.consumer, count, idle_ms=self.opt.claim_idle_ms, held=held
+        )
+        for task in claimed:
+            if task.group_id in self.groups:  # the same group under a second entry: keep ours
+                continue
+            group = self.groups[task.group_id] = _Group(task)
+            saved = self.queue.saved_episodes(task.group_id)
+            for index in range(self.opt.group_size):
+                self._start(group, index, saved.get(index))
+
+    def _start(self, group: _Group, index: int, saved: bytes | None) -> None:
+        task, key = group.task, f"{group.task.group_id}/{index}"
+        env = self.free_envs.pop() if self.free_envs else self.worker.env_factory()
+        if saved is None:
+            episode = start_episode(
+                env, task.seed, key, f"{self.worker.env_id}#{task.seed}", self.worker.renderer
+            )
+        else:
+            traj, extra = decode_episode(saved)
+            if extra.get("final"):
+                traj.attempt = task.attempt
+                group.done[index] = traj
+                self.free_envs.append(env)
+                return
+            episode = _restore(env, task.seed, key, traj, extra)
+            group.saved_turns[index] = traj.num_turns
+            self.counters["restored_episodes"] += 1
+        episode.traj.traj_id, episode.traj.attempt = key, task.attempt
+        self.loop.add(episode)
+
+    # -- progress ------------------------------------------------------------------------------
+    def _finished(self, episode: Episode) -> None:
+        group_id, _, index = episode.key.rpartition("/")
+        group = self.groups[group_id]
+        group.done[int(index)] = episode.traj
+        self.queue.save_episodes(group_id, {int(index): encode_episode(episode.traj, {"final": 1})})
+        if not episode.env_broken:
+            self.free_envs.append(episode.env)
+
+    def _snapshot(self, episode: Episode) -> None:
+        """Between two turns (observation appended, env idle): encode it as it is now."""
+        self.snapshots[episode.key] = (episode.traj.num_turns, _encode(episode))
+
+    def _save_turn_boundaries(self) -> None:
+        """Write the snapshots of the last tick (one HSET per group)."""
+        by_group: dict[str, dict[int, bytes]] = {}
+        for key, (turns, data) in self.snapshots.items():
+            group_id, _, index = key.rpartition("/")
+            if group_id in self.groups and int(index) not in self.groups[group_id].done:
+                by_group.setdefault(group_id, {})[int(index)] = data
+                self.groups[group_id].saved_turns[int(index)] = turns
+        self.snapshots = {}
+        for group_id, saved in by_group.items():
+            self.queue.save_episodes(group_id, saved)
+
+    def _save(self, episodes: list[Episode]) -> None:
+        by_group: dict[str, dict[int, bytes]] = {}
+        for episode in episodes:
+            if episode.tool is not None or episode.done:
+                continue  # its env is busy: the last saved turn stands
+            group_id, _, index = episode.key.rpartition("/")
+            by_group.setdefault(group_id, {})[int(index)] = _encode(episode)
+            self.groups[group_id].saved_turns[int(index)] = episode.traj.num_turns
+        for group_id, saved in by_group.items():
+            self.queue.save_episodes(group_id, saved)
+
+    def _complete_groups(self) -> None:
+        for group_id in [g for g, v in self.groups.items() if len(v.done) == self.opt.group_size]:
+            group = self.groups.pop(group_id)
+            trajs = [group.done[i] for i in range(self.opt.group_size)]
+            for traj in trajs:
+                self.worker._score(traj)
+            self.queue.complete(
+                group.task,
+                TrajectoryGroup(group_id=group_id, task_id=trajs[0].task_id, trajectories=trajs),
+            )
+            self.finished.extend(trajs)
+
+    def _wait(self, allowed: bool, start: float) -> None:
+        if self.loop.live and self.loop.idle():
+            self.loop.wait_tools(0.02)
+        elif not self.loop.live or not allowed:
+            time.sleep(0.02)
+        key = "idle_seconds" if allowed else "paused_seconds"
+        self.counters[key] += time.monotonic() - start
+
+    def drain(self) -> tuple[list[Trajectory], dict[str, float]]:
+        """Trajectories finished since the last call, and the counters (then reset)."""
+        out, self.finished = self.finished, []
+        counters = dict(self.counters)
+        self.counters = {k: 0 * v for k, v in self.counters.items()}
+        return out, counters
+
+
+def _encode(episode: Episode) -> bytes:
+    traj = episode.traj
+    traj.routed_experts = None if episode.routes is None else list(episode.routes)
+    extra = {
+        "env_state": json.dumps(episode.env.unwrapped.get_state()),  # RNG states exceed 64 bits
+        "tools": episode.tools,
+        "turn_ids": list(episode.turn_ids),
+        "turn_logps": list(episode.turn_logps),
+        "turn_versions": list(episode.turn_versions),
+    }
+    return encode_episode(traj, extra)
+
+
+def _restore(env, seed: int, key: str, traj: Trajectory, extra: dict) -> Episode:
+    """A saved episode, continued: the env replays its state, the whole context is prefilled
+    again, and the routes recorded when its tokens were sampled are kept."""
+    env.reset(seed=seed)  # wrappers (gymnasium's order enforcing) want a reset first
+    env.unwrapped.set_state(json.loads(extra["env_state"]))
+    traj.resumed += 1
+    routes = traj.routed_experts
+    return Episode(
+        key=key,
+        env=env,
+        traj=traj,
+        tools=extra["tools"],
+        routes=routes,
+        skip_routes=len(routes or []),
+        feed=traj.token_ids + extra["turn_ids"],
+        turn_ids=extra["turn_ids"],
+        turn_logps=extra["turn_logps"],
+        turn_versions=extra["turn_versions"],
+    )

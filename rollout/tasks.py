@@ -1,0 +1,161 @@
+"""Durable task queue and saved episodes for asynchronous rollouts (Redis, AOF).
+
+The driver XADDs tasks (a group id and an env seed) to a task stream; rollout workers read them
+through the consumer group "workers". A task stays pending in that group until the worker that
+holds it finishes its whole group, and then one MULTI/EXEC does everything at once: XADD the
+trajectory group, XACK the task, count the group as produced, delete its saved episodes. A
+worker that dies leaves its tasks pending: it reclaims them when Ray restarts it, and any other
+worker takes them over (XAUTOCLAIM) once they have been idle `claim_idle_ms`; live workers keep
+their own tasks fresh (XCLAIM JUSTID, a heartbeat). Every claim counts an attempt.
+
+Unfinished episodes are saved at turn boundaries (and when a worker pauses for its token
+budget) in a hash per group (`rollout/codec.py encode_episode`: tokens, per-token versions,
+logprobs and routes, the env's `get_state()`), so a retried task continues each episode from
+where it was saved instead of from its first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from rollout.codec import encode_group
+from rollout.types import TrajectoryGroup
+
+GROUP = "workers"
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    entry_id: str
+    group_id: str
+    seed: int
+    attempt: int
+
+
+def task_names(prefix: str) -> dict[str, str]:
+    return {
+        "tasks": f"{prefix}:tasks",
+        "attempts": f"{prefix}:attempts",
+        "produced": f"{prefix}:produced",
+        "episodes": f"{prefix}:episodes:",
+    }
+
+
+class TaskQueue:
+    """Both sides of the task stream; `prefix` is the run's key prefix (`agentrl:<run id>`)."""
+
+    def __init__(self, client: redis.Redis, prefix: str, trajectories: str) -> None:
+        self.client, self.names, self.trajectories = client, task_names(prefix), trajectories
+        try:
+            self.client.xgroup_create(self.names["tasks"], GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # -- driver --------------------------------------------------------------------------------
+    def issue(self, tasks: list[tuple[str, int]]) -> None:
+        """Publish (group id, seed) tasks."""
+        pipe = self.client.pipeline(transaction=True)
+        for group_id, seed in tasks:
+            pipe.xadd(self.names["tasks"], {"group_id": group_id, "seed": seed})
+        pipe.execute()
+
+    def requeue_all_pending(self) -> int:
+        """After a whole-job restart every pending task belongs to a dead worker: publish each
+        again (same group id; its saved episodes are kept) and ack the old entry, atomically."""
+        moved = 0
+        for p in self.client.xpending_range(
+            self.names["tasks"], GROUP, min="-", max="+", count=1 << 30
+        ):
+            entry = self.client.xrange(
+                self.names["tasks"], min=p["message_id"], max=p["message_id"]
+            )
+            if not entry:
+                continue
+            fields = entry[0][1]
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xadd(self.names["tasks"], fields)
+            pipe.xack(self.names["tasks"], GROUP, p["message_id"])
+            pipe.execute()
+            moved += 1
+        return moved
+
+    def backlog(self) -> int:
+        """Tasks issued but not finished (pending or not yet read)."""
+        info = self.client.xinfo_groups(self.names["tasks"])
+        lag = next((g.get("lag") or 0 for g in info if _text(g["name"]) == GROUP), 0)
+        return int(self.client.xpending(self.names["tasks"], GROUP)["pending"]) + int(lag)
+
+    # -- workers -------------------------------------------------------------------------------
+    def claim(
+        self, consumer: str, count: int, *, idle_ms: int, held: frozenset[str] = frozenset()
+    ) -> list[Task]:
+        """Up to `count` tasks: first this consumer's own pending ones (a restarted worker),
+        then ones idle past `idle_ms` (a dead worker's), then new ones. `held`: entry ids the
+        caller is working on (never returned, never counted as a new attempt)."""
+        entries = [
+            e for e in self._own_pending(consumer, count + len(held)) if _text(e[0]) not in held
+        ]
+        if len(entries) < count:
+            _, stolen, *_ = self.client.xautoclaim(
+                self.names["tasks"], GROUP, consumer, idle_ms, count=count - len(entries)
+            )
+            entries += [e for e in stolen if e[1] and _text(e[0]) not in held]
+        if len(entries) < count:
+            reply = self.client.xreadgroup(
+                GROUP, consumer, {self.names["tasks"]: ">"}, count=count - len(entries)
+            )
+            for _, new in reply or []:
+                entries += new
+        return [self._task(entry_id, fields) for entry_id, fields in entries[:count]]
+
+    def _own_pending(self, consumer: str, count: int) -> list:
+        mine = self.client.xpending_range(
+            self.names["tasks"], GROUP, min="-", max="+", count=count, consumername=consumer
+        )
+        if not mine:
+            return []
+        ids = [p["message_id"] for p in mine]
+        return [e for e in self.client.xclaim(self.names["tasks"], GROUP, consumer, 0, ids) if e[1]]
+
+    def _task(self, entry_id, fields) -> Task:
+        fields = {_text(k): _text(v) for k, v in fields.items()}
+        attempt = int(self.client.hincrby(self.names["attempts"], fields["group_id"], 1))
+        return Task(_text(entry_id), fields["group_id"], int(fields["seed"]), attempt)
+
+    def heartbeat(self, consumer: str, tasks: list[Task]) -> None:
+        """Keep our tasks from looking idle (so no other worker takes them over)."""
+        if tasks:
+            self.client.xclaim(
+                self.names["tasks"], GROUP, consumer, 0, [t.entry_id for t in tasks], justid=True
+            )
+
+    def complete(self, task: Task, group: TrajectoryGroup) -> str:
+        """Atomically: the group into the trajectory stream, the task acked, counted, its saved
+        episodes deleted. Returns the trajectory stream entry id."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.trajectories, {b"group": encode_group(group)})
+        pipe.xack(self.names["tasks"], GROUP, task.entry_id)
+        pipe.hincrby(self.names["produced"], group.group_id, 1)
+        pipe.delete(self.names["episodes"] + group.group_id)
+        entry = pipe.execute()[0]
+        return _text(entry)
+
+    # -- saved episodes ------------------------------------------------------------------------
+    def save_episodes(self, group_id: str, episodes: dict[int, bytes]) -> None:
+        if episodes:
+            self.client.hset(self.names["episodes"] + group_id, mapping=episodes)
+
+    def saved_episodes(self, group_id: str) -> dict[int, bytes]:
+        raw = self.client.hgetall(self.names["episodes"] + group_id)
+        return {int(k): v for k, v in raw.items()}
+
+    def produced(self) -> dict[str, int]:
+        raw = self.client.hgetall(self.names["produced"])
+        return {_text(k): int(v) for k, v in raw.items()}
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

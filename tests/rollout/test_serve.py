@@ -1,0 +1,133 @@
+"""Asynchronous rollouts on a real redis-server: groups are produced atomically (XADD + XACK in one
+transaction), a dead worker's tasks are taken over and its episodes continue from their saved
+turns (env state included) under a new attempt, and a token budget pauses and saves."""
+
+from __future__ import annotations
+
+import gymnasium
+
+import envs  # noqa: F401
+from reward import build_reward
+from rollout.agent import AgentLoop
+from rollout.codec import decode_episode, decode_group
+from rollout.episode import EpisodeLimits
+from rollout.render import ChatRenderer
+from rollout.serve import AsyncRollouts, ServeOptions
+from rollout.tasks import TaskQueue
+from rollout.worker import RolloutWorker
+from tests.fakes import ScriptedSession
+from tests.rollout.test_agent import fields, params_for
+from tests.rollout.test_render_and_episode import expert_script
+
+STREAM = "agentrl:test:trajectories"
+
+
+def make(tokenizer, client, consumer, **options):
+    renderer = ChatRenderer(tokenizer)
+    session = ScriptedSession(tokenizer, expert_script(tokenizer))
+    worker = RolloutWorker(
+        env_factory=lambda: gymnasium.make("agentrl/Calculator-v0"),
+        env_id="agentrl/Calculator-v0",
+        policy=None,
+        renderer=renderer,
+        scorer=build_reward({"task_completion": 1.0}),
+        sink=None,
+        limits=EpisodeLimits(),
+    )
+    loop = AgentLoop(session, renderer, EpisodeLimits(), deterministic=False)
+    queue = TaskQueue(client, "agentrl:test", STREAM)
+    opts = ServeOptions(consumer=consumer, group_size=2, max_episodes=8, **options)
+    return AsyncRollouts(worker, queue, loop, opts), queue, renderer
+
+
+def run_for(serve, renderer, *, ticks=None, until=None):
+    count = 0
+
+    def stop():
+        nonlocal count
+        count += 1
+        return (ticks is not None and count > ticks) or (until is not None and until())
+
+    serve.run(
+        params_for(renderer), should_stop=stop, install=lambda: None, may_generate=lambda: True
+    )
+
+
+def groups_in(client):
+    return {
+        g.group_id: g
+        for g in (decode_group(f[b"group"]) for _, f in client.xrange(STREAM, "-", "+"))
+    }
+
+
+def test_groups_are_produced_and_their_tasks_acked_together(tokenizer, redis_server):
+    client = redis_server.client()
+    serve, queue, renderer = make(tokenizer, client, "w0")
+    queue.issue([(f"g{i}", i) for i in range(4)])
+    run_for(serve, renderer, until=lambda: client.xlen(STREAM) == 4)
+    groups = groups_in(client)
+    assert sorted(groups) == ["g0", "g1", "g2", "g3"]
+    assert queue.backlog() == 0 and queue.produced() == {f"g{i}": 1 for i in range(4)}
+    assert not client.keys("agentrl:test:episodes:*")  # saved episodes go with the group
+    for group in groups.values():
+        assert [t.traj_id for t in group.trajectories] == [
+            f"{group.group_id}/0",
+            f"{group.group_id}/1",
+        ]
+        assert all(t.success and t.attempt == 1 and t.resumed == 0 for t in group.trajectories)
+
+
+def test_a_dead_workers_episodes_continue_from_their_saved_turns(tokenizer, redis_server):
+    client = redis_server.client()
+    reference, queue, renderer = make(tokenizer, client, "ref")
+    queue.issue([("r0", 5), ("r1", 6)])
+    run_for(reference, renderer, until=lambda: client.xlen(STREAM) == 2)
+    expected = groups_in(client)
+
+    dying, queue, renderer = make(tokenizer, client, "w0")
+    queue.issue([("g0", 5), ("g1", 6)])
+    saved = lambda: sum(len(queue.saved_episodes(g)) for g in ("g0", "g1"))  # noqa: E731
+    run_for(dying, renderer, until=lambda: saved() > 0)  # w0 saved a turn boundary, then "died"
+    unfinished = [
+        data
+        for g in ("g0", "g1")
+        for data in queue.saved_episodes(g).values()
+        if not decode_episode(data)[1].get("final")
+    ]
+    assert unfinished and client.xlen(STREAM) == 2
+
+    taker, _, _ = make(tokenizer, client, "w1", claim_idle_ms=0)
+    run_for(taker, renderer, until=lambda: client.xlen(STREAM) == 4)
+    got = groups_in(client)
+    assert taker.counters["restored_episodes"] == len(unfinished)
+    for new, old in (("g0", "r0"), ("g1", "r1")):
+        for a, b in zip(got[new].trajectories, expected[old].trajectories, strict=True):
+            assert fields(a) == fields(b) and a.reward == b.reward
+            assert a.attempt == 2 and a.resumed <= 1
+    assert queue.backlog() == 0 and queue.produced()["g0"] == 1
+
+
+def test_a_spent_token_budget_pauses_and_saves_mid_turn(tokenizer, redis_server):
+    client = redis_server.client()
+    serve, queue, renderer = make(tokenizer, client, "w0", token_budget=5)
+    queue.issue([("g0", 1)])
+    run_for(serve, renderer, ticks=40)
+    # the budget is checked before each decode step (2 episodes: at most one token over)
+    assert serve.paused and client.xlen(STREAM) == 0 and 5 <= serve.loop.generated <= 6
+    saved = queue.saved_episodes("g0")
+    assert len(saved) == 2  # both episodes saved mid-turn
+
+    def install():  # a new policy version whenever the worker waits for one
+        if serve.paused:
+            serve.loop.session.version += 1
+
+    serve.run(
+        params_for(renderer),
+        should_stop=lambda: client.xlen(STREAM) == 1,
+        install=install,
+        may_generate=lambda: True,
+    )
+    (group,) = groups_in(client).values()
+    assert all(t.success for t in group.trajectories)
+    versions = {v for t in group.trajectories for v in t.token_versions if v >= 0}
+    assert {0, 1, 2} <= versions  # the episodes went on across versions, caches kept
