@@ -10,16 +10,18 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 from pathlib import Path
 
 import ray
+import redis
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoModelForCausalLM
 
 from policy.hf import import_weights
 from policy.sampling import SamplingParams
-from rl.build import build_learner, build_worker
+from rl.build import build_learner, build_worker, stream_names
 from rl.config import RunConfig
 from rl.distributed import Shard, init_group
 from rl.weights import Manifest, Publisher, Receiver, connect_broadcast
@@ -34,11 +36,67 @@ def _quiet() -> None:
 
 
 class WorkerHost:
+    """A rollout worker. In async mode `serve` runs for the whole run in one of the actor's
+    threads while pushes arrive on another: a push is then staged and installed by the serve
+    loop between two decode steps (never under a running forward)."""
+
     def __init__(self, cfg: RunConfig, model_dir: str, redis_url: str, run_id: str, index: int):
         _quiet()
-        self.index = index
+        self.index, self.cfg, self.redis_url, self.run_id = index, cfg, redis_url, run_id
         self.worker = build_worker(cfg, Path(model_dir), redis_url, run_id, index)
-        self.receiver = Receiver(self.worker.policy.load_weights)
+        self.receiver = Receiver(self._install)
+        self.lock = threading.Lock()
+        self.staged: tuple | None = None
+        self.serving = False
+        self.stop_event = threading.Event()
+        self.rollouts = None
+        self.starts = 1  # incarnations of this worker (Ray restarts it after a crash)
+        if redis_url is not None:
+            key = f"{stream_names(run_id)['prefix']}:starts:worker-{index}"
+            self.starts = int(redis.Redis.from_url(redis_url).incr(key))
+
+    def _install(self, version: int, weights, expected) -> None:
+        with self.lock:
+            if self.serving:  # the serve loop installs it between two decode steps
+                self.staged = (version, weights, expected)
+                return
+        self.worker.policy.load_weights(version, weights, expected)
+
+    def _install_staged(self) -> None:
+        with self.lock:
+            staged, self.staged = self.staged, None
+        if staged is not None:
+            self.worker.session().load_weights(*staged)
+
+    def serve(self, params: SamplingParams) -> None:
+        """Async mode: generate until `stop_serving` (rl/serving.py builds the loop)."""
+        from rl.serving import serve_worker
+
+        with self.lock:
+            self.serving = True
+        self.stop_event.clear()
+        try:
+            serve_worker(self, params)
+        finally:
+            with self.lock:
+                self.serving = False
+            self._install_staged()
+
+    def stop_serving(self) -> None:
+        self.stop_event.set()
+
+    def drain(self) -> dict:
+        """Counters of the trajectories finished since the last call (async mode)."""
+        from rollout.worker import summarize
+
+        if self.rollouts is None:
+            return {}
+        trajs, counters = self.rollouts.drain()
+        stats = summarize(trajs, seconds=0.0) if trajs else {}
+        return {**stats, **counters, "restarts": float(self.starts - 1)}
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def collect(
         self, tasks: list[Task], group_size: int, sampling: SamplingParams, seed: int
@@ -159,14 +217,30 @@ class LearnerHost:
         ray.get(pending)
         return self.learner.last_acked
 
-    def load_checkpoint(self, path: str, *, rng: bool = True, stream: bool = True) -> int:
-        """Restore every rank; forget stream entries produced after the checkpoint."""
+    def load_checkpoint(
+        self, path: str, *, rng: bool = True, stream: bool = True, rewind: bool = False
+    ) -> int:
+        """Restore every rank. Sync mode forgets stream entries produced after the checkpoint
+        (the same steps regenerate them); async mode (`rewind`) delivers them all again."""
         pending = self._fan_out("load_checkpoint", path, rng=rng, stream=False)
         self.learner.load(Path(path), rng=rng)
         ray.get(pending)
         if stream and self.shard.leader:
-            return self.learner.source.skip_to_end(self.learner.last_acked)
+            source = self.learner.source
+            if rewind:
+                return source.rewind(self.learner.last_acked)
+            return source.skip_to_end(self.learner.last_acked)
         return 0
+
+    def trim(self, upto: str) -> int:
+        """After a checkpoint is committed: delete the stream entries it has consumed."""
+        return self.learner.source.trim(upto) if self.shard.leader else 0
+
+    def ledger(self) -> dict:
+        return self.learner.ledger
+
+    def last_acked(self) -> str:
+        return self.learner.last_acked
 
 
 def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
@@ -214,7 +288,12 @@ def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
             f"rollout.num_workers={cfg.rollout.num_workers} x "
             f"rollout.cpus_per_worker={cfg.rollout.cpus_per_worker:g}); lower them or add nodes"
         )
-    worker_cls = ray.remote(num_cpus=cfg.rollout.cpus_per_worker)(WorkerHost)
+    worker_cls = ray.remote(
+        num_cpus=cfg.rollout.cpus_per_worker,
+        max_concurrency=4,  # pushes and counters arrive while `serve` runs
+        max_restarts=cfg.rollout.max_restarts,
+        max_task_retries=-1 if t.mode == "async" else 0,  # `serve` resumes after a restart
+    )(WorkerHost)
     workers = [
         worker_cls.options(name=f"{run_id}-worker-{i}").remote(
             cfg, str(model_dir), redis_url, run_id, i

@@ -41,8 +41,10 @@ def make_env(cfg: RunConfig):
 
 def stream_names(run_id: str) -> dict[str, str]:
     return {
+        "prefix": f"agentrl:{run_id}",
         "trajectories": f"agentrl:{run_id}:trajectories",
         "metrics": f"agentrl:{run_id}:metrics",
+        "version": f"agentrl:{run_id}:learner_version",
     }
 
 
@@ -99,6 +101,8 @@ def build_worker(
         scorer=build_reward(cfg.reward.weights()),
         sink=sink,
         limits=EpisodeLimits(max_turns=cfg.rollout.max_turns, max_seq_len=cfg.rollout.max_seq_len),
+        max_episodes=cfg.rollout.max_episodes,
+        tool_timeout_s=cfg.rollout.tool_timeout_s,
     )
 
 

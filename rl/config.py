@@ -428,6 +428,12 @@ class RunConfig:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
             raise ConfigError("name", f"use letters, digits, '.', '_' or '-'; got {self.name!r}")
         _positive("checkpoint_every", self.checkpoint_every, zero_ok=True)
+        if self.rollout.token_budget is not None and self.trainer.mode != "async":
+            raise ConfigError(
+                "rollout.token_budget",
+                "partial rollouts need trainer.mode: async (a sync step waits for whole groups); "
+                "set trainer.mode=async or remove the budget",
+            )
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:

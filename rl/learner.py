@@ -24,7 +24,7 @@ from policy.hf import checksum
 from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
 from rl.advantages import gae
 from rl.algorithms import algorithm_for
-from rl.batch import TrainBatch, drop_flat_groups, pack, spread_turn_values
+from rl.batch import TrainBatch, pack, spread_turn_values
 from rl.config import TrainerConfig
 from rl.distributed import Shard
 from rl.learner_stats import (
@@ -37,6 +37,7 @@ from rl.learner_stats import (
     staleness_metrics,
     step_metrics,
 )
+from rl.ledger import new_entry, note, sort_groups
 from rl.losses import LossStats, Normalizers, policy_loss, value_loss
 from rollout.types import TrajectoryGroup
 
@@ -91,6 +92,9 @@ class Learner:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version, self.skipped_steps, self.dropped_groups = 0, 0, 0
         self.last_acked = "0-0"
+        self.trained: set[str] = set()
+        """Group ids trained so far (checkpointed): a redelivered copy is never trained again."""
+        self.ledger = new_entry()
         self.generator = torch.Generator().manual_seed(seed)  # micro-batch order
 
     def read_batch(self) -> tuple[list[str], list[TrajectoryGroup]]:
@@ -107,6 +111,12 @@ class Learner:
             for entry_id, group in self.source.read(
                 want - len(groups), block_ms=min(left_ms, 1000)
             ):
+                if group.group_id in self.trained or any(
+                    g.group_id == group.group_id for g in groups
+                ):
+                    note(self.ledger, "filtered", "duplicate", group.group_id)
+                    self.source.ack([entry_id])  # another attempt of a group we have
+                    continue
                 ids.append(entry_id)
                 groups.append(group)
         return ids, groups
@@ -114,13 +124,17 @@ class Learner:
     def step(self) -> dict[str, float]:
         """Read a batch, update, ack: one optimizer step and one new policy version."""
         start = time.perf_counter()
+        self.ledger = new_entry()
+        wait = time.perf_counter()
         entry_ids, groups = self.read_batch() if self.shard.leader else ([], [])
+        wait = time.perf_counter() - wait
         groups = sorted(self.shard.share_groups(groups), key=_group_key)  # arrival order varies
-        dropped = 0
-        if self.algo.drop_flat_groups:
-            groups, dropped = drop_flat_groups(groups)
-            self.dropped_groups += dropped
-        metrics = {"learner/dropped_groups": float(dropped)}
+        count = len(groups)
+        groups = sort_groups(groups, drop_flat=self.algo.drop_flat_groups, entry=self.ledger)
+        dropped = count - len(groups)
+        self.dropped_groups += dropped
+        self.trained.update(self.ledger["trained"])
+        metrics = {"learner/dropped_groups": float(dropped), "learner/wait_seconds": wait}
         if groups:
             batch = pack(groups, pad_token_id=self.pad_token_id, advantages=self.algo.advantages)
             metrics.update(self._train(batch))

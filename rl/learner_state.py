@@ -39,6 +39,7 @@ def save_learner(learner, directory: Path) -> None:
             "skipped_steps": learner.skipped_steps,
             "dropped_groups": learner.dropped_groups,
             "last_acked": learner.last_acked,
+            "trained": sorted(learner.trained),
             "world": learner.shard.world,
             "ep_size": learner.shard.ep_size,
             "optimizer": {"param_groups": opt["param_groups"], "state": meta_state},
@@ -71,6 +72,7 @@ def load_learner(learner, directory: Path, *, rng: bool = True) -> None:
         learner.generator.set_state(tensors["rng.order"])
         random.setstate(_tuples(meta["python_random"]))
     learner.version, learner.last_acked = meta["version"], meta["last_acked"]
+    learner.trained = set(meta.get("trained", []))
     learner.skipped_steps, learner.dropped_groups = meta["skipped_steps"], meta["dropped_groups"]
 
 

@@ -16,6 +16,7 @@ import ray
 import yaml
 from tqdm import tqdm
 
+from rl import ledger
 from rl.build import prepare_policy, sampling, stream_names
 from rl.config import RunConfig
 from rl.evaluate import EvalResult, evaluate
@@ -72,7 +73,12 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
         if checkpoint is None:
             evals = run_evals(cfg, workers, renderer, log, step=0, label=state.base_label)
             state.base_evals = {mode: r.to_dict() for mode, r in evals.items()}
-        rl_train(cfg, learner, workers, renderer, log, state, run_dir)
+        if cfg.trainer.mode == "async":
+            from rl.async_loop import async_train
+
+            async_train(cfg, learner, workers, renderer, log, state, run_dir, svc.redis)
+        else:
+            rl_train(cfg, learner, workers, renderer, log, state, run_dir)
         algo = cfg.trainer.algorithm
         final = run_evals(cfg, workers, renderer, log, step=cfg.trainer.steps, label=algo)
         ray.get(learner.save_model.remote(str(run_dir / "final-model")))
@@ -115,16 +121,21 @@ def warm_start(cfg: RunConfig, run_dir: Path) -> RunState:
 def restore(
     cfg, run_dir: Path, checkpoint: Path, state: RunState, learner, workers, resume
 ) -> None:
-    discarded = ray.get(
-        learner.load_checkpoint.remote(str(checkpoint), rng=resume.rng, stream=resume.stream)
+    rewind = cfg.trainer.mode == "async"
+    entries = ray.get(
+        learner.load_checkpoint.remote(
+            str(checkpoint), rng=resume.rng, stream=resume.stream, rewind=rewind
+        )
     )
     push_weights(
         learner, workers, timeout_s=cfg.weights.push_timeout_s, transport=cfg.weights.transport
     )
     dropped = truncate_metrics(run_dir, state.step)
+    ledger.truncate(run_dir, state.step)
+    fate = "will be trained (none is lost)" if rewind else "are discarded and will be redone"
     say(
-        f"resumed from {checkpoint.name}: step {state.step}; {discarded} stream entries and "
-        f"{dropped} metric records written after it are discarded and will be redone"
+        f"resumed from {checkpoint.name}: step {state.step}; {entries} stream entries after "
+        f"it {fate}; {dropped} metric records after it are redone"
     )
 
 
@@ -153,6 +164,7 @@ def rl_train(
         )
         metrics = rollout_metrics(stats)
         metrics.update(ray.get(learner.step.remote()))
+        ledger.append(run_dir, step, ray.get(learner.ledger.remote()))
         push = push_weights(
             learner, workers, timeout_s=cfg.weights.push_timeout_s, transport=cfg.weights.transport
         )
@@ -170,6 +182,7 @@ def rl_train(
         state.step = step
         if step == t.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save_checkpoint(run_dir, state, learner)
+            ray.get(learner.trim.remote(ray.get(learner.last_acked.remote())))
         bar.write(console_line(step, t.steps, metrics) + (f"\n!!! {alarm}" if alarm else ""))
         bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
         bar.update(1)

@@ -18,7 +18,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    train = [r for r in records if r.get("phase") == "train"]
+    # (an async step in which no group finished carries no rollout metrics)
+    train = [r for r in records if r.get("phase") == "train" and "reward/mean" in r]
     evals = [r for r in records if r.get("phase") == "eval"]
     steps = [r["step"] for r in train]
     fig, (ax_r, ax_s) = plt.subplots(1, 2, figsize=(11, 4))

@@ -76,5 +76,23 @@ class RedisGroupReader:
         self.client.xgroup_setid(self.stream, self.group, id="$")
         return len(stale)
 
+    def rewind(self, after: str) -> int:
+        """Resume support without losing anything: every entry past `after` (the checkpoint's
+        last acked id) is delivered again, pending or acked (the steps that consumed them were
+        lost with the crash; the learner's trained set skips any it did train). Returns how
+        many entries will be redelivered."""
+        pending = self.client.xpending_range(
+            self.stream, self.group, min="-", max="+", count=1 << 30
+        )
+        if pending:
+            self.client.xack(self.stream, self.group, *[p["message_id"] for p in pending])
+        self.client.xgroup_setid(self.stream, self.group, id=after)
+        return len(self.client.xrange(self.stream, min=f"({after}", max="+"))
+
+    def trim(self, upto: str) -> int:
+        """Delete entries before `upto` (consumed and checkpointed): Redis memory stays bounded.
+        Returns how many were deleted."""
+        return int(self.client.xtrim(self.stream, minid=upto, approximate=False))
+
     def pending(self) -> int:
         return int(self.client.xpending(self.stream, self.group)["pending"])

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from policy.sampling import SamplingParams
+from policy.session import open_session
+from rollout.agent import AgentLoop, run_all, start_episode
 from rollout.episode import EpisodeLimits, Policy, run_episodes
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Scorer, Trajectory, TrajectoryGroup
@@ -40,11 +42,24 @@ class RolloutWorker:
         scorer: Scorer,
         sink: TrajectorySink | None,
         limits: EpisodeLimits,
+        max_episodes: int = 64,
+        tool_timeout_s: float = 60.0,
     ):
         self.env_factory, self.env_id = env_factory, env_id
         self.policy, self.renderer, self.scorer, self.sink = policy, renderer, scorer, sink
-        self.limits = limits
+        self.limits, self.max_episodes, self.tool_timeout_s = limits, max_episodes, tool_timeout_s
         self._envs: list[Any] = []
+        self._session = None
+
+    def session(self):
+        """The policy's decode session (persistent per-episode caches), or None for a policy
+        that has none (then episodes advance turn by turn through `policy.generate`)."""
+        if self._session is None:
+            try:
+                self._session = open_session(self.policy)
+            except TypeError:
+                return None
+        return self._session
 
     def _env_pool(self, n: int) -> list[Any]:
         while len(self._envs) < n:
@@ -52,7 +67,23 @@ class RolloutWorker:
         return self._envs[:n]
 
     def run(self, seeds: list[int], sampling: SamplingParams) -> list[Trajectory]:
+        """One episode per seed, reproducibly (tool results are applied in a fixed order)."""
         task_ids = [f"{self.env_id}#{seed}" for seed in seeds]
+        session = self.session()
+        if session is not None:
+            loop = AgentLoop(
+                session, self.renderer, self.limits, tool_timeout_s=self.tool_timeout_s
+            )
+            envs = self._env_pool(len(seeds))
+            episodes = [
+                start_episode(env, seed, f"run/{i}", task_id, self.renderer)
+                for i, (env, seed, task_id) in enumerate(zip(envs, seeds, task_ids, strict=True))
+            ]
+            trajs = run_all(loop, episodes, sampling, max_live=self.max_episodes)
+            for i, episode in enumerate(episodes):
+                if episode.env_broken:  # a timed-out tool may still hold it
+                    self._envs[i] = self.env_factory()
+            return trajs
         return run_episodes(
             self._env_pool(len(seeds)),
             seeds,

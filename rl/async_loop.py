@@ -1,0 +1,144 @@
+"""`trainer.mode: async`: the workers never wait for the learner, the learner never waits for
+the slowest episode.
+
+    driver                                   rollout workers (rl/serving.py, rollout/serve.py)
+    ------                                   ---------------
+    release tasks up to                      claim tasks, run episodes (no barrier), XADD a
+      (version + max_staleness + 1) x B      group + XACK its task in one transaction; install
+      (admission control: generation         pushed weights between two decode steps; pause
+      pauses, nothing is discarded)          while > max_staleness versions behind
+    learner.step(): the next B groups as
+      they arrive (ids already trained are
+      skipped), ppo_epochs x mini-batches
+    push weights (staged by the workers);
+      publish the learner version
+    metrics, ledger line, checkpoint (then
+      trim the consumed stream entries)
+
+Tasks live in a Redis stream (AOF, fsync always), so a resume finds every task that was issued:
+the ones a dead worker held are issued again (their episodes continue from the saved turns).
+Task seeds are a function of (run seed, task index) alone, so no sampler state is needed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+from tqdm import tqdm
+
+from rl import ledger
+from rl.build import sampling, stream_names
+from rl.evaluate import EVAL_SEED_OFFSET
+from rl.metrics import CollapseDetector, console_line, rollout_metrics
+from rl.runstate import save_checkpoint
+from rl.weights import push_weights
+from rollout.tasks import TaskQueue
+
+
+def task_seed(run_seed: int, index: int) -> int:
+    """Training task seeds stay below the evaluation range (held out)."""
+    return int(np.random.default_rng([run_seed, index]).integers(0, EVAL_SEED_OFFSET))
+
+
+class Feeder:
+    """Releases tasks while started groups < (learner version + max_staleness + 1) x B."""
+
+    def __init__(self, cfg, client, run_id: str) -> None:
+        names = stream_names(run_id)
+        self.cfg, self.client = cfg, client
+        self.queue = TaskQueue(client, names["prefix"], names["trajectories"])
+        self.issued_key = f"{names['prefix']}:issued"
+
+    def issued(self) -> int:
+        return int(self.client.get(self.issued_key) or 0)
+
+    def top_up(self, version: int) -> int:
+        t = self.cfg.trainer
+        allowed = (version + t.max_staleness + 1) * t.tasks_per_step
+        start = self.issued()
+        if start >= allowed:
+            return 0
+        tasks = [(f"t{i}", task_seed(self.cfg.seed, i)) for i in range(start, allowed)]
+        self.queue.issue(tasks)
+        self.client.set(self.issued_key, allowed)
+        return len(tasks)
+
+
+def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, client) -> None:
+    t, names = cfg.trainer, stream_names(run_dir.name)
+    feeder = Feeder(cfg, client, run_dir.name)
+    requeued = feeder.queue.requeue_all_pending()  # tasks held by a dead job's workers
+    if requeued:
+        print(f"[agentrl] {requeued} unfinished tasks issued again", flush=True)
+    client.set(names["version"], state.step)
+    serving = [w.serve.remote(sampling(cfg.rollout, renderer)) for w in workers]
+    detector = CollapseDetector(window=cfg.metrics.collapse_window, drop=cfg.metrics.collapse_drop)
+    bar = tqdm(total=t.steps, initial=state.step, desc=f"{t.algorithm.upper()} async", unit="step")
+    try:
+        for step in range(state.step + 1, t.steps + 1):
+            start, alarm = time.perf_counter(), None
+            feeder.top_up(version=step - 1)
+            metrics = ray.get(learner.step.remote())
+            ledger.append(run_dir, step, ray.get(learner.ledger.remote()))
+            push = push_weights(
+                learner,
+                workers,
+                timeout_s=cfg.weights.push_timeout_s,
+                transport=cfg.weights.transport,
+            )
+            client.set(names["version"], step)
+            feeder.top_up(version=step)
+            metrics.update(_push_metrics(push))
+            seconds = time.perf_counter() - start
+            metrics.update(_worker_metrics(workers, seconds))
+            if "rollout/success_rate" in metrics:
+                alarm = detector.update(metrics["rollout/success_rate"])
+            metrics["step/seconds"] = seconds
+            metrics["tasks/issued"] = float(feeder.issued())
+            metrics["tasks/backlog"] = float(feeder.queue.backlog())
+            log.log(step, metrics)
+            state.step = step
+            if step == t.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+                save_checkpoint(run_dir, state, learner)
+                ray.get(learner.trim.remote(ray.get(learner.last_acked.remote())))
+            bar.write(console_line(step, t.steps, metrics) + (f"\n!!! {alarm}" if alarm else ""))
+            bar.update(1)
+    finally:
+        bar.close()
+        for w in workers:
+            w.stop_serving.remote()
+        ray.wait(serving, num_returns=len(serving), timeout=60)
+
+
+def _push_metrics(push: dict) -> dict[str, float]:
+    return {
+        "weights/push_seconds": push["seconds"],
+        "weights/push_gb_per_s": push["gb_per_s"],
+        "weights/push_mb": push["bytes"] / 2**20,
+    }
+
+
+def _worker_metrics(workers, seconds: float) -> dict[str, float]:
+    """The workers' counters since the last step (a restarting worker is skipped this time)."""
+    refs = [w.drain.remote() for w in workers]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+    stats = []
+    for ref in ready:
+        try:
+            stats.append(ray.get(ref))
+        except ray.exceptions.RayError:
+            continue
+    out = {
+        "workers/idle_seconds": sum(s.get("idle_seconds", 0.0) for s in stats),
+        "workers/paused_seconds": sum(s.get("paused_seconds", 0.0) for s in stats),
+        "workers/restored_episodes": sum(s.get("restored_episodes", 0.0) for s in stats),
+        "workers/restarted": sum(s.get("restarts", 0.0) for s in stats),
+        "workers/answering": float(len(stats)),
+    }
+    episodes = [{**s, "seconds": seconds} for s in stats if s.get("episodes")]
+    if episodes:
+        out.update(rollout_metrics(episodes))
+    return out
