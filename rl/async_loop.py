@@ -80,8 +80,9 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
     try:
         for step in range(state.step + 1, t.steps + 1):
             start, alarm = time.perf_counter(), None
+            _check_serving(serving)
             feeder.top_up(version=step - 1)
-            metrics = ray.get(learner.step.remote())
+            metrics = _learner_step(learner, serving)
             ledger.append(run_dir, step, ray.get(learner.ledger.remote()))
             push = push_weights(
                 learner,
@@ -111,6 +112,26 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
         for w in workers:
             w.stop_serving.remote()
         ray.wait(serving, num_returns=len(serving), timeout=60)
+
+
+def _check_serving(serving: list) -> None:
+    """A worker's serve loop never returns while the run goes on: if one did, raise its error
+    (a crash that Ray restarts is retried by Ray and does not show up here)."""
+    done, _ = ray.wait(serving, num_returns=len(serving), timeout=0)
+    for ref in done:
+        ray.get(ref)
+        raise RuntimeError("a rollout worker stopped serving before the run ended")
+
+
+def _learner_step(learner, serving: list) -> dict:
+    """learner.step(), watching the workers meanwhile: a serve loop that dies with an error
+    (not a crash Ray restarts) fails the run now instead of the learner timing out later."""
+    ref = learner.step.remote()
+    while True:
+        ready, _ = ray.wait([ref, *serving], num_returns=1)
+        if ref in ready:
+            return ray.get(ref)
+        _check_serving(serving)
 
 
 def _push_metrics(push: dict) -> dict[str, float]:

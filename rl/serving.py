@@ -8,6 +8,8 @@ next push instead of producing far-off-policy tokens.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import redis
@@ -41,29 +43,60 @@ def serve_worker(host, params: SamplingParams) -> None:
             token_budget=cfg.rollout.token_budget,
         ),
     )
-    gate = StalenessGate(client, names["version"], cfg.trainer.max_staleness, loop.session)
+    gate = StalenessGate(client, names, cfg.trainer, loop.session)
+    stop = host.stop_event.is_set
+    fault = os.environ.get("AGENTRL_FAULT_KILL_WORKER", "")
+    if fault.partition(":")[0] == str(host.index) and host.starts == 1:
+        stop = _killer(host, int(fault.partition(":")[2] or 1))
     host.rollouts.run(
         params,
-        should_stop=host.stop_event.is_set,
+        should_stop=stop,
         install=host._install_staged,
         may_generate=gate,
+        starving=gate.starving,
     )
 
 
-class StalenessGate:
-    """True while this worker's policy version is within `max_staleness` of the learner's."""
+def _killer(host, groups: int):
+    """Fault injection for the worker-crash test: AGENTRL_FAULT_KILL_WORKER=<index>:<groups>
+    SIGKILLs worker <index> (its first incarnation) once it has finished <groups> groups and
+    holds a saved, unfinished episode (so the crash is mid-episode)."""
 
-    def __init__(self, client, key: str, max_staleness: int, session, every_s: float = 0.25):
-        self.client, self.key, self.max_staleness, self.session = (
-            client,
-            key,
-            max_staleness,
-            session,
-        )
-        self.every_s, self.checked, self.learner = every_s, 0.0, 0
+    def stop() -> bool:
+        r = host.rollouts
+        done = r.produced_groups >= groups
+        if done and any(g.saved_turns for g in r.groups.values()):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return host.stop_event.is_set()
+
+    return stop
+
+
+class StalenessGate:
+    """True while this worker's policy version is within `max_staleness` of the learner's.
+    `starving()`: the learner has fewer than a batch of groups waiting (then a worker keeps
+    generating past its token budget: a budget must never stall the run)."""
+
+    def __init__(self, client, names: dict, trainer, session, every_s: float = 0.25):
+        self.client, self.names, self.session = client, names, session
+        self.max_staleness, self.batch = trainer.max_staleness, trainer.tasks_per_step
+        self.every_s, self.checked, self.learner, self.waiting = every_s, 0.0, 0, 0
+
+    def _refresh(self) -> None:
+        if time.monotonic() - self.checked <= self.every_s:
+            return
+        self.learner = int(self.client.get(self.names["version"]) or 0)
+        try:
+            groups = self.client.xinfo_groups(self.names["trajectories"])
+        except redis.ResponseError:  # the learner has not created the stream yet
+            groups = []
+        self.waiting = sum(int(g.get("lag") or 0) for g in groups)
+        self.checked = time.monotonic()
 
     def __call__(self) -> bool:
-        if time.monotonic() - self.checked > self.every_s:
-            value = self.client.get(self.key)
-            self.learner, self.checked = int(value or 0), time.monotonic()
+        self._refresh()
         return self.learner - self.session.version <= self.max_staleness
+
+    def starving(self) -> bool:
+        self._refresh()
+        return self.waiting < self.batch

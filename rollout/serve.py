@@ -56,6 +56,7 @@ class AsyncRollouts:
         self.free_envs: list[Any] = []
         self.finished: list[Trajectory] = []
         self.counters = {"restored_episodes": 0, "paused_seconds": 0.0, "idle_seconds": 0.0}
+        self.produced_groups = 0
         self.budget_start = 0
         self.version = loop.session.version
         self.paused = False
@@ -69,7 +70,10 @@ class AsyncRollouts:
         should_stop: Callable[[], bool],
         install: Callable[[], None],
         may_generate: Callable[[], bool],
+        starving: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`starving()`: the learner waits for groups; the token budget then does not pause
+        (a budget must never stall the run)."""
         last_beat = 0.0
         while not should_stop():
             install()
@@ -77,7 +81,7 @@ class AsyncRollouts:
             if time.monotonic() - last_beat > self.opt.heartbeat_s:
                 self.queue.heartbeat(self.opt.consumer, [g.task for g in self.groups.values()])
                 last_beat = time.monotonic()
-            allowed = may_generate() and not self._over_budget()
+            allowed = may_generate() and (not self._over_budget() or starving())
             if allowed:
                 self._admit()
             start = time.monotonic()
@@ -187,6 +191,7 @@ class AsyncRollouts:
                 TrajectoryGroup(group_id=group_id, task_id=trajs[0].task_id, trajectories=trajs),
             )
             self.finished.extend(trajs)
+            self.produced_groups += 1
 
     def _wait(self, allowed: bool, start: float) -> None:
         if self.loop.live and self.loop.idle():
