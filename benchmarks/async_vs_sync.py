@@ -1,6 +1,6 @@
 """`trainer.mode: sync` against `trainer.mode: async`, through the real CLI, on two workloads.
 
-    .venv/bin/python benchmarks/async_vs_sync.py [--steps 24] [--seeds 1] [--skip-quickstart]
+    .venv/bin/python benchmarks/async_vs_sync.py [--steps 20] [--seeds 1] [--skip-quickstart]
 
 Every run is `.venv/bin/python -m rl.cli train RUNFILE overrides...` in a subprocess, one after
 another (never two at once); the figures are read from each run directory's metrics.jsonl.
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -60,7 +61,7 @@ COMMON = [
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=24, help="RL steps per run (both workloads)")
+    p.add_argument("--steps", type=int, default=20, help="RL steps per run (both workloads)")
     p.add_argument("--seeds", type=int, default=1, help="run seeds 0..N-1 per mode")
     p.add_argument("--skip-quickstart", action="store_true", help="long-tail workload only")
     p.add_argument("--skip-longtail", action="store_true", help="quickstart workload only")
@@ -76,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slow-share", type=float, default=0.1)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before giving up")
     p.add_argument("--out", help="benchmark directory (default runs/async-vs-sync-<time>)")
+    p.add_argument("--report-only", metavar="DIR", help="re-read a finished benchmark's runs")
     p.add_argument(
         "--set", action="append", default=[], help="extra KEY=VALUE override for every run"
     )
@@ -120,7 +122,8 @@ def run_cli(runfile: Path, name: str, overrides: list[str], out: Path, timeout: 
     cmd += overrides
     log = out / f"{name}.log"
     print(f"\n$ {' '.join(cmd)}", flush=True)
-    start = time.perf_counter()
+    start, load0 = time.perf_counter(), os.getloadavg()[0]
+    cpu0 = _children_cpu()
     with log.open("w") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
@@ -145,6 +148,7 @@ def run_cli(runfile: Path, name: str, overrides: list[str], out: Path, timeout: 
             with log.open("a") as fh2:
                 fh2.write(f"\n[bench] killed after {timeout:.0f} s\n")
     seconds = time.perf_counter() - start
+    cpu, load = _children_cpu() - cpu0, (load0, os.getloadavg()[0])
     dirs = sorted(p for p in out.glob(f"{name}-*") if p.is_dir())
     run_dir = dirs[-1] if dirs else None
     error = None
@@ -154,15 +158,27 @@ def run_cli(runfile: Path, name: str, overrides: list[str], out: Path, timeout: 
         print(f"[bench] {name} FAILED (exit {rc}) after {seconds:.0f} s; log {log}", flush=True)
         print("\n".join("    " + line for line in tail), flush=True)
     else:
-        print(f"[bench] {name}: done in {seconds:.0f} s -> {run_dir}", flush=True)
+        print(
+            f"[bench] {name}: done in {seconds:.0f} s ({cpu:.0f} CPU s; load average "
+            f"{load[0]:.1f} -> {load[1]:.1f}) -> {run_dir}",
+            flush=True,
+        )
     return {
         "name": name,
         "run_dir": run_dir,
         "rc": rc,
         "seconds": seconds,
+        "cpu": cpu,
+        "load": load,
         "log": log,
         "error": error,
     }
+
+
+def _children_cpu() -> float:
+    """CPU seconds of the finished descendant processes (driver, Ray, Redis) so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -186,11 +202,12 @@ def summarize(rows: list[dict], window: int, batch: int) -> dict:
     )
     loss_tokens = sum(r.get("learner/loss_tokens", 0.0) for r in rows)
     success = [r.get("rollout/success_rate") for r in rows]
-    rolling = []  # (step index, rolling mean) once a full window of values exists
-    for i in range(len(rows)):
-        vals = [v for v in success[max(0, i - window + 1) : i + 1] if v is not None]
-        if i + 1 >= window and len(vals) == window:
-            rolling.append((i, sum(vals) / window))
+    rolling, seen = [], []  # (step index, mean of the last `window` success values)
+    for i, value in enumerate(success):  # (an async step that drained no episode has none)
+        if value is not None:
+            seen.append(value)
+        if value is not None and len(seen) >= window:
+            rolling.append((i, sum(seen[-window:]) / window))
     lags = [r["learner/policy_lag"] for r in rows if "learner/policy_lag" in r]
     return {
         "steps": len(rows),
@@ -208,6 +225,9 @@ def summarize(rows: list[dict], window: int, batch: int) -> dict:
         "policy_lag": sum(lags) / len(lags) if lags else None,
         "paused": sum(r.get("workers/paused_seconds", 0.0) for r in rows),
         "push": sum(r.get("weights/push_seconds", 0.0) for r in rows),
+        "learner_seconds": sum(r.get("learner/seconds", 0.0) for r in rows),
+        "learner_wait": sum(r.get("learner/wait_seconds", 0.0) for r in rows),
+        "idle": sum(r.get("workers/idle_seconds", 0.0) for r in rows),
     }
 
 
@@ -242,14 +262,14 @@ def report(workload: str, runs: list[dict], args) -> dict:
     head = (
         "| mode | seed | steps | RL wall (s) | s/step | samples/s | vs sync | gen tok/s | vs sync "
         "| trained tok/s | success step 1 | rolling, last | rolling, best "
-        f"| time to {threshold:.2f} | policy lag |"
+        f"| time to {threshold:.2f} | policy lag | CPU s | load avg |"
     )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in runs:
         s = r["summary"]
         if not s.get("steps"):
-            print(f"| {r['mode']} | {r['seed']} | 0 | FAILED (exit {r['rc']}) |" + " |" * 11)
+            print(f"| {r['mode']} | {r['seed']} | 0 | FAILED (exit {r['rc']}) |" + " |" * 13)
             continue
         hit = time_to(s, threshold)
         failed = "" if r["rc"] == 0 else f" (FAILED, exit {r['rc']})"
@@ -261,7 +281,17 @@ def report(workload: str, runs: list[dict], args) -> dict:
             f"| {s['trained_tokens_per_s']:,.0f} | {fmt(s['first_success'], '.2f')} "
             f"| {fmt(s['rolling_last'], '.2f')} | {fmt(s['rolling_best'], '.2f')} "
             f"| {f'{hit[0]:.0f} s (step {hit[1]})' if hit else 'never'} "
-            f"| {fmt(s['policy_lag'], '.2f')} |"
+            f"| {fmt(s['policy_lag'], '.2f')} | {r['cpu']:.0f} "
+            f"| {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
+        )
+    print(f"\nwhere the time went ({workload}):")
+    for r in ok:
+        s = r["summary"]
+        print(
+            f"  {r['mode']}/s{r['seed']}: RL wall {s['wall']:.0f} s; learner.step "
+            f"{s['learner_seconds']:.0f} s (of it waiting for groups {s['learner_wait']:.0f} s); "
+            f"weight pushes {s['push']:.1f} s; workers idle {s['idle']:.0f} s and paused "
+            f"{s['paused']:.0f} s (async, summed over workers)"
         )
     print(f"\nwall time to rolling success thresholds ({workload}):")
     for t in GRID:
@@ -323,8 +353,25 @@ def git_state() -> str:
         return "unknown"
 
 
+def report_only(out: Path, args) -> int:
+    """Print the tables again from DIR/results.json and the run directories it names."""
+    results = json.loads((out / "results.json").read_text())
+    batch = yaml.safe_load(QUICKSTART.read_text())["trainer"]["batch_size"]
+    for key, title in (("longtail", "Long-tail tool latency"), ("quickstart", "Quickstart task")):
+        if key not in results:
+            continue
+        runs = results[key]["runs"]
+        for r in runs:
+            r["run_dir"] = Path(r["run_dir"]) if r.get("run_dir") else None
+            r["summary"] = summarize(records(r["run_dir"]), args.window, batch)
+        report(title, runs, args)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report_only:
+        return report_only(Path(args.report_only), args)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or ROOT / "runs" / f"async-vs-sync-{stamp}").resolve()
     out.mkdir(parents=True, exist_ok=True)

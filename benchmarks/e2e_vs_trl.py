@@ -1,21 +1,36 @@
-"""End-to-end GRPO on the quickstart task: agentrl (`agentrl train`, Ray + Redis) against TRL
-1.16's `GRPOTrainer(environment_factory=...)`, same model, env, demonstrations and settings.
+"""End-to-end GRPO throughput, like for like: agentrl (`agentrl train`, Ray + Redis, sync and
+async) against TRL 1.16's `GRPOTrainer(environment_factory=...)` on a fixed-length workload.
 
-    .venv/bin/python benchmarks/e2e_vs_trl.py [--steps 40] [--threshold 0.85] [--window 3]
+    .venv/bin/python benchmarks/e2e_vs_trl.py [--model qwen3] [--steps 6] [--tokens 64]
+        [--seeds 0 1 2] [--systems sync async trl]
 
-The model is the tiny dense Qwen3 of the earlier quickstart (`--model qwen3`, the default: the
-model TRL's generation is built for) or the quickstart's k3-tiny (`--model k3`: TRL generates
-through `K3ForCausalLM.generate`, cached; we roll out with the K3Policy engine). Both sides start
-from one freshly initialised model and one tokenizer (trained on both chat formats), are warmed
-up by SFT on the same 2,000 imperfect-expert demonstrations with the same SFT settings (ours in
-our chat format, TRL's in its Qwen3 tool-calling format, where the final answer is an `answer`
-tool call), then run GRPO with the same group size (8), tasks per step (16), learning rate
-(5e-4, constant), loss (token-mean PPO-clip, eps 0.2, no KL), temperature (1.0) and length
-budget (4 turns x 48 tokens). Every group of 8 shares one task on both sides.
+Why fixed length: with free-running policies the two sides generate very different lengths (the
+earlier version of this benchmark had TRL at ~186 generated tokens per sample, 97% at its length
+cap, against ~28 for ours), so samples/s compared the policies' lengths, not the systems. Here
+every sample on every side is exactly one assistant turn of `--tokens` sampled tokens:
 
-Reported per side: GRPO samples/s (episodes per second of GRPO wall time), seconds per step, and
-the GRPO wall time until the rolling mean (over --window steps) of the training success rate
-first reaches --threshold. Takes about 20-30 minutes on 2 cores.
+- TRL: `max_completion_length=N` and `generation_kwargs={"min_new_tokens": N}` (transformers
+  masks EOS until N new tokens, and N is also the cap).
+- agentrl: `rollout.max_new_tokens=N` with the stop token removed from the `SamplingParams` the
+  driver hands the rollout workers. There is no run-file knob for that (`rl/build.py sampling()`
+  always adds the EOS stop token), so the driver runs in a subprocess of this script that
+  replaces `sampling` in `rl.loop` / `rl.async_loop` with a copy whose `stop_token_ids=()`; no
+  library file is changed. A turn that reaches max_new_tokens ends the episode (truncated) on
+  both sides, so every episode is exactly one N-token turn.
+
+Both sides start from one freshly initialised model and one tokenizer (trained on both chat
+formats), with no SFT (nothing is learned on this workload: no episode can finish, so task
+success is 0 by construction and time-to-threshold is not measurable), and run the same GRPO
+steps: group size 8, 16 tasks per step (128 samples), learning rate 5e-4 constant, token-mean
+PPO-clip (eps 0.2), no KL, temperature 1.0. The prompts are each side's own format: TRL's
+carries the tools as JSON schemas (its chat template), ours compact signatures; prompt tokens
+per sample are printed for both.
+
+Per run: generated tokens per sample (checked: every side must report exactly N), generated
+tokens/s and samples/s over all GRPO steps (sum of per-step wall times: rollout + learner +
+weight sync; TRL: `on_step_begin` to `on_step_end`) and over steps 2.. (without the first step's
+warm-up). Runs go one after another, seeds interleaved (seed s: sync, async, TRL), so the load of
+a shared machine falls on all systems alike; the table gives mean and min-max over seeds.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -36,9 +52,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from benchmarks.learner_speed import MODEL as QWEN3  # noqa: E402  (the earlier quickstart Qwen3)
 
 THINK = ["<think>", "</think>"]  # TRL's Qwen3 template writes an empty think block per turn
-
-
 MODELS = {"qwen3": ("qwen3", QWEN3), "k3": ("agentrl_k3", {"preset": "k3-tiny"})}
+SYSTEMS = {
+    "sync": "agentrl sync",
+    "async": "agentrl async (max_staleness 1)",
+    "trl": "TRL GRPOTrainer",
+}
 
 
 def overrides(args) -> list[str]:
@@ -49,6 +68,10 @@ def overrides(args) -> list[str]:
         f"policy.model_type={model_type}",
         f"policy.config={model}",
         f"trainer.steps={args.steps}",
+        "trainer.algorithm=grpo",
+        "trainer.loss_aggregation=token-mean",
+        f"rollout.max_new_tokens={args.tokens}",
+        "sft.enabled=false",
         "eval.tasks=0",
         *args.set,
     ]
@@ -61,8 +84,8 @@ def trl_template(name: str) -> str:
 
 
 def trl_messages(demo) -> list[dict]:
-    """Our demonstration in TRL's episode shape: the final answer is an `answer` tool call (TRL
-    ends an episode when the model stops calling tools), then an empty closing turn."""
+    """Our demonstration in TRL's episode shape (the final answer is an `answer` tool call);
+    used only to train the tokenizer on TRL's format too."""
     *head, last = demo.messages
     call = {
         "type": "function",
@@ -107,6 +130,7 @@ def build_policy(cfg, out: Path) -> Path:
     tokenizer.add_special_tokens(
         {"additional_special_tokens": THINK}, replace_extra_special_tokens=False
     )
+    tokenizer.chat_template = trl_template("qwen3.jinja")
     model = build_model(
         cfg.policy.model_type, cfg.policy.config, vocab_size=len(tokenizer), seed=cfg.seed
     )
@@ -117,60 +141,95 @@ def build_policy(cfg, out: Path) -> Path:
     return out / "policy-init"
 
 
-def run_ours(args, init: Path, out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "rl.cli", "train", str(ROOT / "configs/quickstart.yaml")]
-    cmd += [*overrides(args), f"policy.path={init}", f"output_dir={out / 'ours'}"]
-    print("agentrl:", " ".join(cmd[3:]), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    (run_dir,) = (out / "ours").glob("bench-e2e-*")
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [
-        {"success": r["rollout/success_rate"], "seconds": r["step/seconds"]}
-        for r in records
-        if r.get("phase") == "train"
-    ]
+def prompt_tokens(cfg, init: Path, tasks: int = 32) -> dict[str, float]:
+    """Mean prompt length of the first `tasks` tasks, in each side's own format."""
+    from envs.interop import trl_environment
+    from policy.hf import load_tokenizer
+    from rl.build import make_env
+    from rollout.render import ChatRenderer
 
-
-def trl_sft(cfg, model, tokenizer, out: Path) -> float:
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
-
-    from rl.sft import _sft_args, expert_demonstrations
-
-    demos = expert_demonstrations(
-        cfg, cfg.sft.demonstrations, error_rate=cfg.sft.expert_error_rate, seed=cfg.seed
-    )
-    tools = trl_tools(cfg)
-    tokenizer.chat_template = trl_template("qwen3_training.jinja")
-    rows = []  # pre-tokenized, as our SFT is (datasets' Arrow would merge the tool schemas)
-    for demo in demos:
+    tokenizer = load_tokenizer(init)
+    renderer, env, tools = ChatRenderer(tokenizer), make_env(cfg), trl_tools(cfg)
+    trl_env = trl_environment(cfg.env.id, **cfg.env.kwargs)()
+    ours, theirs = [], []
+    for seed in range(tasks):
+        observation, info = env.reset(seed=seed)
+        ours.append(len(renderer.prompt(observation, info.get("tools", []))))
+        text = trl_env.reset(seed=seed)
         enc = tokenizer.apply_chat_template(
-            trl_messages(demo), tools=tools, return_dict=True, return_assistant_tokens_mask=True
+            [{"role": "user", "content": text}],
+            tools=tools,
+            add_generation_prompt=True,
+            return_dict=True,
         )
-        rows.append({"input_ids": enc["input_ids"], "assistant_masks": enc["assistant_masks"]})
-    steps_per_epoch = max(1, len(rows) // cfg.sft.batch_size)
-    args = _sft_args(cfg, out / "trl-sft", steps_per_epoch, SFTConfig)
-    args.report_to = []
-    trainer = SFTTrainer(
-        model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
-    )
-    start = time.perf_counter()
-    trainer.train()
-    tokenizer.chat_template = trl_template("qwen3.jinja")
-    return time.perf_counter() - start
+        theirs.append(len(enc["input_ids"]))
+    return {"ours": statistics.mean(ours), "trl": statistics.mean(theirs)}
 
 
-def trl_grpo(args, cfg, model, tokenizer, out: Path) -> list[dict]:
+def ours_driver(argv: list[str]) -> int:
+    """`agentrl train` with the stop token removed from the rollout SamplingParams."""
+    import dataclasses
+
+    import rl.async_loop
+    import rl.build
+    import rl.loop
+    from rl.cli import main
+
+    original = rl.build.sampling
+
+    def fixed_length(cfg, renderer, *, greedy: bool = False):
+        return dataclasses.replace(original(cfg, renderer, greedy=greedy), stop_token_ids=())
+
+    for module in (rl.build, rl.loop, rl.async_loop):
+        module.sampling = fixed_length
+    return main(argv)
+
+
+def run_ours(args, mode: str, seed: int, init: Path, out: Path) -> list[dict]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_ours", "train"]
+    cmd += [str(ROOT / "configs/quickstart.yaml"), *overrides(args), f"seed={seed}"]
+    cmd += [f"trainer.mode={mode}", f"policy.path={init}", f"output_dir={out}"]
+    if mode == "async":
+        cmd.append("trainer.max_staleness=1")
+    print("agentrl:", " ".join(cmd[4:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    run_dir = sorted(out.glob("bench-e2e-*"))[-1]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = []
+    for r in records:
+        if r.get("phase") != "train":
+            continue
+        steps.append(
+            {
+                "seconds": r["step/seconds"],
+                "samples": r.get("learner/trajectories", 0.0),
+                "generated": r.get("learner/loss_tokens", 0.0),
+                "success": r.get("rollout/success_rate", float("nan")),
+                "rollout_length": r.get("rollout/response_length", float("nan")),
+                "turns": r.get("rollout/turns", float("nan")),
+            }
+        )
+    return steps
+
+
+def trl_grpo(args, cfg, seed: int, init: Path, out: Path) -> list[dict]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from envs.interop import trl_environment
+    from policy.hf import load_model, load_tokenizer
 
+    model, tokenizer = load_model(init), load_tokenizer(init)
+    tokenizer.chat_template = trl_template("qwen3.jinja")
     t, r = cfg.trainer, cfg.rollout
     tasks = args.steps * t.tasks_per_step
+    first = seed * tasks
     data = Dataset.from_dict(
-        {"prompt": [[{"role": "user", "content": ""}]] * tasks, "seed": list(range(tasks))}
+        {
+            "prompt": [[{"role": "user", "content": ""}]] * tasks,
+            "seed": list(range(first, first + tasks)),
+        }
     )
     steps: list[dict] = []
 
@@ -183,10 +242,19 @@ def trl_grpo(args, cfg, model, tokenizer, out: Path) -> list[dict]:
 
         def on_log(self, *a, logs=None, **k):
             if logs and "reward" in logs and steps and "success" not in steps[-1]:
-                steps[-1]["success"] = logs["reward"]
+                n = t.batch_size
+                steps[-1].update(
+                    samples=float(n),
+                    generated=logs["completions/mean_length"] * n,
+                    min_length=logs["completions/min_length"],
+                    max_length=logs["completions/max_length"],
+                    clipped=logs["completions/clipped_ratio"],
+                    success=logs["reward"],
+                    num_tokens=logs.get("num_tokens", float("nan")),
+                )
 
     config = GRPOConfig(
-        output_dir=str(out / "trl-grpo"),
+        output_dir=str(out),
         use_cpu=True,
         bf16=False,
         gradient_checkpointing=False,
@@ -198,7 +266,8 @@ def trl_grpo(args, cfg, model, tokenizer, out: Path) -> list[dict]:
         gradient_accumulation_steps=t.batch_size // t.micro_batch_size,
         num_generations=t.group_size,
         shuffle_dataset=False,
-        max_completion_length=r.max_new_tokens * r.max_turns,
+        max_completion_length=args.tokens,
+        generation_kwargs={"min_new_tokens": args.tokens},  # EOS masked until N: exactly N
         max_tool_calling_iterations=r.max_turns - 1,
         temperature=r.temperature,
         learning_rate=t.lr,
@@ -209,7 +278,7 @@ def trl_grpo(args, cfg, model, tokenizer, out: Path) -> list[dict]:
         loss_type="dapo",  # token-mean over the batch, as our `loss_aggregation: token-mean`
         beta=0.0,
         epsilon=0.2,
-        seed=cfg.seed,
+        seed=seed,
     )
     trainer = GRPOTrainer(
         model=model,
@@ -220,84 +289,132 @@ def trl_grpo(args, cfg, model, tokenizer, out: Path) -> list[dict]:
         callbacks=[Clock()],
     )
     trainer.train()
+    previous = 0.0
+    for s in steps:  # num_tokens is cumulative (prompt + completion tokens seen)
+        s["prompt_tokens"] = (s["num_tokens"] - previous - s["generated"]) / s["samples"]
+        previous = s["num_tokens"]
     return steps
 
 
-def summarise(name: str, steps: list[dict], samples_per_step: int, args) -> dict:
-    seconds = [s["seconds"] for s in steps]
+def summarise(system: str, seed: int, steps: list[dict], args) -> dict:
+    def rate(part: list[dict]) -> tuple[float, float]:
+        seconds = sum(s["seconds"] for s in part)
+        return (
+            sum(s["generated"] for s in part) / seconds,
+            sum(s["samples"] for s in part) / seconds,
+        )
+
     success = [s.get("success", float("nan")) for s in steps]
     reached = None
     for i in range(args.window - 1, len(steps)):
         if sum(success[i - args.window + 1 : i + 1]) / args.window >= args.threshold:
             reached = i
             break
-    total = sum(seconds)
-    return {
-        "system": name,
+    samples = sum(s["samples"] for s in steps)
+    tokens_s, samples_s = rate(steps)
+    tokens_s2, samples_s2 = rate(steps[1:]) if len(steps) > 1 else (tokens_s, samples_s)
+    row = {
+        "system": system,
+        "seed": seed,
         "steps": len(steps),
-        "s_per_step": total / len(steps),
-        "samples_per_s": samples_per_step * len(steps) / total,
-        "first_success": success[0],
-        "last_success": sum(success[-args.window :]) / args.window,
-        "threshold_step": None if reached is None else reached + 1,
-        "threshold_s": None if reached is None else sum(seconds[: reached + 1]),
+        "samples": samples,
+        "seconds": sum(s["seconds"] for s in steps),
+        "s_per_step": sum(s["seconds"] for s in steps) / len(steps),
+        "generated_per_sample": sum(s["generated"] for s in steps) / samples,
+        "tokens_per_s": tokens_s,
+        "samples_per_s": samples_s,
+        "tokens_per_s_after_1": tokens_s2,
+        "samples_per_s_after_1": samples_s2,
+        "success_mean": statistics.mean(success),
+        "threshold_s": None if reached is None else sum(s["seconds"] for s in steps[: reached + 1]),
+        "per_step": steps,
     }
+    if system == "trl":
+        row["min_length"] = min(s["min_length"] for s in steps)
+        row["max_length"] = max(s["max_length"] for s in steps)
+        row["clipped"] = statistics.mean(s["clipped"] for s in steps)
+        row["prompt_tokens"] = statistics.mean(s["prompt_tokens"] for s in steps)
+    else:
+        row["rollout_length"] = statistics.mean(s["rollout_length"] for s in steps)
+    return row
+
+
+def spread(values: list[float], fmt: str) -> str:
+    mean = statistics.mean(values)
+    if len(values) == 1:
+        return format(mean, fmt)
+    return f"{format(mean, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
 def table(rows: list[dict], args) -> str:
     head = (
-        "| system | GRPO steps | s/step | samples/s | success step 1 | success last "
-        f"{args.window} | time to {args.threshold:.0%} (rolling {args.window}) |\n"
-        "|---|---|---|---|---|---|---|\n"
+        "| system | seeds | generated tokens/sample | generated tokens/s | samples/s | "
+        "tokens/s, steps 2.. | s/step | tokens/s vs TRL | success (mean) |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
-    lines = []
+    by: dict[str, list[dict]] = {}
     for r in rows:
-        when = (
-            f"{r['threshold_s']:.0f} s (step {r['threshold_step']})"
-            if r["threshold_s"] is not None
-            else f"not reached in {r['steps']} steps"
+        by.setdefault(r["system"], []).append(r)
+    trl = by.get("trl")
+    lines = []
+    for system in [s for s in SYSTEMS if s in by]:
+        rs = by[system]
+        tps = [r["tokens_per_s"] for r in rs]
+        vs = (
+            f"{statistics.mean(tps) / statistics.mean(r['tokens_per_s'] for r in trl):.2f}x"
+            if trl
+            else "-"
         )
         lines.append(
-            f"| {r['system']} | {r['steps']} | {r['s_per_step']:.2f} | {r['samples_per_s']:.1f} | "
-            f"{r['first_success']:.2f} | {r['last_success']:.2f} | {when} |"
+            f"| {SYSTEMS[system]} | {len(rs)} | "
+            f"{spread([r['generated_per_sample'] for r in rs], '.1f')} | "
+            f"{spread(tps, ',.0f')} | {spread([r['samples_per_s'] for r in rs], '.1f')} | "
+            f"{spread([r['tokens_per_s_after_1'] for r in rs], ',.0f')} | "
+            f"{spread([r['s_per_step'] for r in rs], '.2f')} | {vs} | "
+            f"{statistics.mean(r['success_mean'] for r in rs):.2f} |"
         )
-    ratio = rows[1]["s_per_step"] / rows[0]["s_per_step"]
-    return head + "\n".join(lines) + f"\n\nagentrl samples/s = {ratio:.2f}x TRL's\n"
+    return head + "\n".join(lines) + "\n"
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_ours":
+        sys.exit(ours_driver(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=64, help="generated tokens per sample")
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     parser.add_argument("--threshold", type=float, default=0.85)
     parser.add_argument("--window", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-e2e")
-    parser.add_argument("--only", choices=["ours", "trl"], default=None)
     parser.add_argument("--set", nargs="*", default=[], help="more run-file overrides (k=v)")
     args = parser.parse_args()
-    from policy.hf import load_model, load_tokenizer
     from rl.config import load_config
 
     cfg = load_config(ROOT / "configs/quickstart.yaml", overrides(args))
     args.out.mkdir(parents=True, exist_ok=True)
     init = build_policy(cfg, args.out)
-    rows, batch = [], cfg.trainer.batch_size
-    if args.only != "trl":
-        rows.append(summarise("agentrl", run_ours(args, init, args.out), batch, args))
-        print(rows[-1], flush=True)
-    if args.only != "ours":
-        model, tokenizer = load_model(init), load_tokenizer(init)
-        sft_s = trl_sft(cfg, model, tokenizer, args.out)
-        print(f"TRL SFT: {sft_s:.0f} s", flush=True)
-        rows.append(
-            summarise(
-                "TRL GRPOTrainer", trl_grpo(args, cfg, model, tokenizer, args.out), batch, args
+    prompts = prompt_tokens(cfg, init)
+    print(f"prompt tokens per sample: ours {prompts['ours']:.0f}, TRL {prompts['trl']:.0f}")
+    rows = []
+    for seed in args.seeds:
+        for system in args.systems:
+            out = args.out / f"{system}-seed{seed}"
+            if system == "trl":
+                steps = trl_grpo(args, cfg, seed, init, out)
+            else:
+                steps = run_ours(args, system, seed, init, out)
+            rows.append(summarise(system, seed, steps, args))
+            brief = {k: v for k, v in rows[-1].items() if k != "per_step"}
+            print(json.dumps(brief), flush=True)
+            wrong = [s for s in steps if abs(s["generated"] - args.tokens * s["samples"]) > 0.5]
+            if wrong:
+                print(f"!!! {system} seed {seed}: not {args.tokens} tokens/sample: {wrong}")
+            (args.out / "results.json").write_text(
+                json.dumps({"prompt_tokens": prompts, "runs": rows}, indent=1)
             )
-        )
-        print(rows[-1], flush=True)
-    (args.out / "results.json").write_text(json.dumps(rows, indent=1))
-    if len(rows) == 2:
-        print(table(rows, args))
+    print(table(rows, args))
 
 
 if __name__ == "__main__":

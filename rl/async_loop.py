@@ -32,7 +32,7 @@ from tqdm import tqdm
 from rl import ledger
 from rl.build import sampling, stream_names
 from rl.evaluate import EVAL_SEED_OFFSET
-from rl.metrics import CollapseDetector, console_line, rollout_metrics
+from rl.metrics import CollapseDetector, console_line, redis_metrics, rollout_metrics
 from rl.runstate import save_checkpoint
 from rl.weights import push_weights
 from rollout.tasks import TaskQueue
@@ -100,6 +100,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             metrics["step/seconds"] = seconds
             metrics["tasks/issued"] = float(feeder.issued())
             metrics["tasks/backlog"] = float(feeder.queue.backlog())
+            metrics.update(redis_metrics(client, names["trajectories"]))
             log.log(step, metrics)
             state.step = step
             if step == t.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):

@@ -20,7 +20,13 @@ from rl import ledger
 from rl.build import prepare_policy, sampling, stream_names
 from rl.config import RunConfig
 from rl.evaluate import EvalResult, evaluate
-from rl.metrics import CollapseDetector, MetricsLogger, console_line, rollout_metrics
+from rl.metrics import (
+    CollapseDetector,
+    MetricsLogger,
+    console_line,
+    redis_metrics,
+    rollout_metrics,
+)
 from rl.runstate import RunState, load_latest, save_checkpoint, truncate_metrics, worker_seed
 from rl.schema import to_dict
 from rl.weights import push_weights
@@ -178,6 +184,7 @@ def rl_train(
         alarm = detector.update(metrics["rollout/success_rate"])
         metrics["health/collapsed"] = float(detector.collapsed)
         metrics["step/seconds"] = time.perf_counter() - start
+        metrics.update(redis_metrics(log.client, stream_names(run_dir.name)["trajectories"]))
         log.log(step, metrics)
         state.step = step
         if step == t.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):

@@ -74,6 +74,17 @@ class CollapseDetector:
         return None
 
 
+def redis_metrics(client, stream: str) -> dict[str, float]:
+    """Entries left in the trajectory stream (bounded: consumed entries are trimmed after each
+    checkpoint) and the Redis server's memory."""
+    if client is None:
+        return {}
+    return {
+        "redis/stream_entries": float(client.xlen(stream)),
+        "redis/used_memory_mb": client.info("memory")["used_memory"] / 2**20,
+    }
+
+
 def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
     """Add up the workers' counters into rates.
 

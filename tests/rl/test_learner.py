@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -17,8 +18,11 @@ from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
 
 class ListSource:
-    def __init__(self, groups):
-        self.entries = [(f"{i}-0", g) for i, g in enumerate(groups)]
+    def __init__(self, groups):  # each entry its own group id, as a real stream has
+        self.entries = [
+            (f"{i}-0", dataclasses.replace(g, group_id=f"{g.group_id}#{i}"))
+            for i, g in enumerate(groups)
+        ]
         self.acked: list[str] = []
 
     def read(self, count, *, block_ms):
@@ -84,13 +88,40 @@ def test_flat_groups_carry_no_gradient(tiny_model):
     assert checksum(export_weights(model)) == before
 
 
-def test_a_failed_step_acks_nothing(tiny_model):
+def test_a_failed_step_acks_nothing(tiny_model, monkeypatch):
+    model = copy.deepcopy(tiny_model)
+    learner, source = learner_for(model, [make_group(model, [1.0, 0.0, 1.0, 0.0], seed=4)])
+
+    def broken(batch):
+        raise RuntimeError("the update failed")
+
+    monkeypatch.setattr(learner, "_train", broken)
+    with pytest.raises(RuntimeError, match="the update failed"):
+        learner.step()
+    assert source.acked == [] and learner.version == 0
+
+
+def test_an_all_errored_group_is_failed_in_the_ledger_and_acked(tiny_model):
     model = copy.deepcopy(tiny_model)
     group = make_group(model, [1.0, 0.0, 1.0, 0.0], seed=4, status=RolloutStatus.ENV_ERROR)
     learner, source = learner_for(model, [group])
-    with pytest.raises(ValueError, match="no trainable trajectory"):
-        learner.step()
-    assert source.acked == [] and learner.version == 0
+    before = [p.detach().clone() for p in model.parameters()]
+    learner.step()
+    assert learner.ledger["failed"] == {"no trainable trajectory": ["4#0"]}
+    assert learner.ledger["trained"] == [] and source.acked == ["0-0"]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_second_copy_of_a_trained_group_is_filtered_not_trained(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    group = make_group(model, [1.0, 0.0, 1.0, 0.0], seed=6)
+    learner, source = learner_for(model, [group])
+    source.entries.append(("1-0", group := source.entries[0][1]))  # a retried task's copy
+    source.entries.append(("2-0", make_group(model, [0.0, 1.0, 0.0, 1.0], seed=7)))
+    learner.step()
+    learner.step()
+    assert learner.ledger["filtered"] == {"duplicate": [group.group_id]}
+    assert learner.ledger["trained"] == ["7"] and source.acked == ["0-0", "1-0", "2-0"]
 
 
 def test_a_silent_stream_times_out_with_a_clear_error(tiny_model):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import gymnasium
+import pytest
 
 import envs  # noqa: F401
 from policy.sampling import SamplingParams
@@ -135,3 +136,51 @@ def test_tokens_carry_the_version_that_sampled_them(tokenizer):
         v for v, m in zip(episode.traj.token_versions, episode.traj.loss_mask, strict=True) if not m
     }
     assert unsampled == {-1}
+
+
+class EchoEnv(gymnasium.Env):
+    """Every assistant turn gets a user reply; the episode ends after `turns` turns."""
+
+    def __init__(self, turns=4):
+        self.turns, self.count = turns, 0
+
+    def reset(self, *, seed=None, options=None):
+        self.count, self.seed_ = 0, seed
+        return [{"role": "user", "content": f"Task {seed}: say something."}], {"tools": []}
+
+    def step(self, action):
+        self.count += 1
+        done = self.count >= self.turns
+        reply = [{"role": "user", "content": f"Go on ({self.count}, {self.seed_ * 7})."}]
+        return reply, 0.0, done, False, {"outcome": {"success": False}} if done else {}
+
+
+def test_k3_greedy_episodes_equal_the_re_prefill_path(tokenizer):
+    import torch
+
+    from policy.k3 import K3ForCausalLM, k3_preset
+    from policy.k3.engine import K3Policy
+    from policy.session import open_session
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(k3_preset("k3-tiny", vocab_size=len(tokenizer))).eval()
+    renderer = ChatRenderer(tokenizer)
+    stops = tuple(range(0, len(tokenizer), 4))  # a quarter of the vocabulary ends a turn
+    params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=stops)
+    limits = EpisodeLimits(max_turns=4, max_seq_len=1024)
+    old = run_episodes(
+        [EchoEnv() for _ in range(5)],
+        list(range(5)),
+        [f"t{i}" for i in range(5)],
+        policy=K3Policy(model),
+        renderer=renderer,
+        sampling=params,
+        limits=limits,
+    )
+    loop = AgentLoop(open_session(K3Policy(model)), renderer, limits)
+    eps = [start_episode(EchoEnv(), s, f"g/{s}", f"t{s}", renderer) for s in range(5)]
+    new = run_all(loop, eps, params, max_live=3)
+    assert sum(t.num_turns for t in old) > 5  # multi-turn episodes, not one turn each
+    for a, b in zip(new, old, strict=True):
+        assert a.token_ids == b.token_ids and a.num_turns == b.num_turns
+        assert a.sample_logprobs == pytest.approx(b.sample_logprobs, abs=1e-4)
