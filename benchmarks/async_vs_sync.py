@@ -26,7 +26,9 @@ the episodes that finished, `rollout/tokens_per_s x rollout/seconds` per step), 
 tokens per second (`learner/loss_tokens`), the rolling training success (mean of
 `rollout/success_rate` over --window steps) at the end and at best, and the wall time until the
 rolling success first reaches a threshold (the highest of 0.70, 0.75, ... that every run of the
-workload reaches, unless --threshold is given; "never" if a run does not).
+workload reaches, unless --threshold is given; "never" if a run does not). `--report-only DIR`
+prints the tables again from a finished benchmark directory; `--skip-longtail` runs only the
+quickstart pair. Figures measured on 2 cores: docs/benchmarks.md, "Async vs sync".
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -123,7 +124,6 @@ def run_cli(runfile: Path, name: str, overrides: list[str], out: Path, timeout: 
     log = out / f"{name}.log"
     print(f"\n$ {' '.join(cmd)}", flush=True)
     start, load0 = time.perf_counter(), os.getloadavg()[0]
-    cpu0 = _children_cpu()
     with log.open("w") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
@@ -148,7 +148,7 @@ def run_cli(runfile: Path, name: str, overrides: list[str], out: Path, timeout: 
             with log.open("a") as fh2:
                 fh2.write(f"\n[bench] killed after {timeout:.0f} s\n")
     seconds = time.perf_counter() - start
-    cpu, load = _children_cpu() - cpu0, (load0, os.getloadavg()[0])
+    load = (load0, os.getloadavg()[0])  # other jobs share this machine
     dirs = sorted(p for p in out.glob(f"{name}-*") if p.is_dir())
     run_dir = dirs[-1] if dirs else None
     error = None
@@ -159,7 +159,7 @@ def run_cli(runfile: Path, name: str, overrides: list[str], out: Path, timeout: 
         print("\n".join("    " + line for line in tail), flush=True)
     else:
         print(
-            f"[bench] {name}: done in {seconds:.0f} s ({cpu:.0f} CPU s; load average "
+            f"[bench] {name}: done in {seconds:.0f} s (load average "
             f"{load[0]:.1f} -> {load[1]:.1f}) -> {run_dir}",
             flush=True,
         )
@@ -168,17 +168,10 @@ def run_cli(runfile: Path, name: str, overrides: list[str], out: Path, timeout: 
         "run_dir": run_dir,
         "rc": rc,
         "seconds": seconds,
-        "cpu": cpu,
         "load": load,
         "log": log,
         "error": error,
     }
-
-
-def _children_cpu() -> float:
-    """CPU seconds of the finished descendant processes (driver, Ray, Redis) so far."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -262,14 +255,14 @@ def report(workload: str, runs: list[dict], args) -> dict:
     head = (
         "| mode | seed | steps | RL wall (s) | s/step | samples/s | vs sync | gen tok/s | vs sync "
         "| trained tok/s | success step 1 | rolling, last | rolling, best "
-        f"| time to {threshold:.2f} | policy lag | CPU s | load avg |"
+        f"| time to {threshold:.2f} | policy lag | load avg |"
     )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in runs:
         s = r["summary"]
         if not s.get("steps"):
-            print(f"| {r['mode']} | {r['seed']} | 0 | FAILED (exit {r['rc']}) |" + " |" * 13)
+            print(f"| {r['mode']} | {r['seed']} | 0 | FAILED (exit {r['rc']}) |" + " |" * 12)
             continue
         hit = time_to(s, threshold)
         failed = "" if r["rc"] == 0 else f" (FAILED, exit {r['rc']})"
@@ -281,8 +274,7 @@ def report(workload: str, runs: list[dict], args) -> dict:
             f"| {s['trained_tokens_per_s']:,.0f} | {fmt(s['first_success'], '.2f')} "
             f"| {fmt(s['rolling_last'], '.2f')} | {fmt(s['rolling_best'], '.2f')} "
             f"| {f'{hit[0]:.0f} s (step {hit[1]})' if hit else 'never'} "
-            f"| {fmt(s['policy_lag'], '.2f')} | {r['cpu']:.0f} "
-            f"| {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
+            f"| {fmt(s['policy_lag'], '.2f')} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
         )
     print(f"\nwhere the time went ({workload}):")
     for r in ok:

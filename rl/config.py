@@ -265,7 +265,8 @@ class TrainerConfig:
     placement_timeout_s: float = 30.0
     """Fail (naming the missing resources) if the learner ranks cannot be placed in time."""
     threads: int = 2
-    """torch threads in the learner."""
+    """torch threads in the learner (async mode: at most trainer.cpus, since the workers
+    compute at the same time)."""
     read_timeout_s: float = 300.0
     """Give up (with an error) if the stream yields no group for this long."""
     mode: Literal["sync", "async"] = "sync"
