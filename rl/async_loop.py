@@ -32,7 +32,13 @@ from tqdm import tqdm
 from rl import ledger
 from rl.build import sampling, stream_names
 from rl.evaluate import EVAL_SEED_OFFSET
-from rl.metrics import CollapseDetector, console_line, redis_metrics, rollout_metrics
+from rl.metrics import (
+    CollapseDetector,
+    console_line,
+    push_metrics,
+    redis_metrics,
+    rollout_metrics,
+)
 from rl.runstate import save_checkpoint
 from rl.weights import push_weights
 from rollout.tasks import TaskQueue
@@ -92,7 +98,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             )
             client.set(names["version"], step)
             feeder.top_up(version=step)
-            metrics.update(_push_metrics(push))
+            metrics.update(push_metrics(push))
             seconds = time.perf_counter() - start
             metrics.update(_worker_metrics(workers, seconds))
             if "rollout/success_rate" in metrics:
@@ -133,14 +139,6 @@ def _learner_step(learner, serving: list) -> dict:
         if ref in ready:
             return ray.get(ref)
         _check_serving(serving)
-
-
-def _push_metrics(push: dict) -> dict[str, float]:
-    return {
-        "weights/push_seconds": push["seconds"],
-        "weights/push_gb_per_s": push["gb_per_s"],
-        "weights/push_mb": push["bytes"] / 2**20,
-    }
 
 
 def _worker_metrics(workers, seconds: float) -> dict[str, float]:

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from rl.batch import drop_flat_groups
+from rl.runstate import truncate_jsonl
 from rollout.types import TrajectoryGroup
 
 
@@ -58,13 +59,7 @@ def append(run_dir: Path, step: int, entry: dict) -> None:
 
 def truncate(run_dir: Path, step: int) -> int:
     """Drop lines after `step` (their steps are redone after a resume); returns how many."""
-    path = run_dir / "ledger.jsonl"
-    if not path.exists():
-        return 0
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    keep = [line for line in lines if json.loads(line)["step"] <= step]
-    path.write_text("".join(f"{line}\n" for line in keep))
-    return len(lines) - len(keep)
+    return truncate_jsonl(run_dir / "ledger.jsonl", step)
 
 
 def read(run_dir: Path) -> list[dict]:

@@ -24,6 +24,7 @@ from rl.metrics import (
     CollapseDetector,
     MetricsLogger,
     console_line,
+    push_metrics,
     redis_metrics,
     rollout_metrics,
 )
@@ -174,13 +175,7 @@ def rl_train(
         push = push_weights(
             learner, workers, timeout_s=cfg.weights.push_timeout_s, transport=cfg.weights.transport
         )
-        metrics.update(
-            {
-                "weights/push_seconds": push["seconds"],
-                "weights/push_gb_per_s": push["gb_per_s"],
-                "weights/push_mb": push["bytes"] / 2**20,
-            }
-        )
+        metrics.update(push_metrics(push))
         alarm = detector.update(metrics["rollout/success_rate"])
         metrics["health/collapsed"] = float(detector.collapsed)
         metrics["step/seconds"] = time.perf_counter() - start

@@ -74,6 +74,15 @@ class CollapseDetector:
         return None
 
 
+def push_metrics(push: dict) -> dict[str, float]:
+    """A weight push's figures (rl.weights.push_weights' result) as metrics."""
+    return {
+        "weights/push_seconds": push["seconds"],
+        "weights/push_gb_per_s": push["gb_per_s"],
+        "weights/push_mb": push["bytes"] / 2**20,
+    }
+
+
 def redis_metrics(client, stream: str) -> dict[str, float]:
     """Entries left in the trajectory stream (bounded: consumed entries are trimmed after each
     checkpoint) and the Redis server's memory."""

@@ -74,7 +74,11 @@ def load_latest(run_dir: Path, *, rng: bool = True) -> tuple[Path, RunState]:
 
 def truncate_metrics(run_dir: Path, step: int) -> int:
     """Drop records written after `step` (a resumed run writes them again); returns how many."""
-    path = run_dir / "metrics.jsonl"
+    return truncate_jsonl(run_dir / "metrics.jsonl", step)
+
+
+def truncate_jsonl(path: Path, step: int) -> int:
+    """Keep the lines of a JSON-lines file whose "step" is <= `step`; returns how many went."""
     if not path.exists():
         return 0
     lines = [line for line in path.read_text().splitlines() if line.strip()]
