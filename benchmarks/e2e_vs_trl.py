@@ -2,7 +2,7 @@
 async) against TRL 1.16's `GRPOTrainer(environment_factory=...)` on a fixed-length workload.
 
     .venv/bin/python benchmarks/e2e_vs_trl.py [--model qwen3] [--steps 6] [--tokens 64]
-        [--seeds 0 1 2] [--systems sync async trl]
+        [--seeds 0 1 2] [--systems sync async trl] [--max-busy 0.3]
 
 Why fixed length: with free-running policies the two sides generate very different lengths (the
 earlier version of this benchmark had TRL at ~186 generated tokens per sample, 97% at its length
@@ -29,8 +29,11 @@ per sample are printed for both.
 Per run: generated tokens per sample (checked: every side must report exactly N), generated
 tokens/s and samples/s over all GRPO steps (sum of per-step wall times: rollout + learner +
 weight sync; TRL: `on_step_begin` to `on_step_end`) and over steps 2.. (without the first step's
-warm-up). Runs go one after another, seeds interleaved (seed s: sync, async, TRL), so the load of
-a shared machine falls on all systems alike; the table gives mean and min-max over seeds.
+warm-up). Runs go one after another, seeds interleaved (seed s: sync, async, TRL); on a shared
+machine `--max-busy` makes each run wait until other jobs leave the CPUs mostly idle (two
+processes running 2-thread torch on 2 cores slow each other down by up to ~18x, which swamps any
+difference between the systems). The table gives mean and min-max over seeds;
+`<out>/results.json` keeps every step.
 """
 
 from __future__ import annotations
@@ -376,6 +379,31 @@ def table(rows: list[dict], args) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def busy_fraction(seconds: float = 3.0) -> float:
+    """Share of the machine's CPU time spent busy over `seconds` (Linux /proc/stat)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    busy0, total0 = sample()
+    time.sleep(seconds)
+    busy1, total1 = sample()
+    return (busy1 - busy0) / max(total1 - total0, 1)
+
+
+def wait_for_quiet(max_busy: float | None, timeout_s: float = 900.0) -> float:
+    """On a shared machine: wait (up to timeout_s) until other jobs leave the CPUs mostly idle,
+    so that every run starts on a quiet box; returns the busy share measured last."""
+    busy, start = busy_fraction(), time.perf_counter()
+    while max_busy is not None and busy > max_busy and time.perf_counter() - start < timeout_s:
+        print(f"machine {busy:.0%} busy (other jobs); waiting", flush=True)
+        time.sleep(20)
+        busy = busy_fraction()
+    return busy
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_ours":
         sys.exit(ours_driver(sys.argv[2:]))
@@ -388,6 +416,12 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.85)
     parser.add_argument("--window", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-e2e")
+    parser.add_argument(
+        "--max-busy",
+        type=float,
+        default=None,
+        help="before each run, wait until the machine is at most this share busy (shared boxes)",
+    )
     parser.add_argument("--set", nargs="*", default=[], help="more run-file overrides (k=v)")
     args = parser.parse_args()
     from rl.config import load_config
@@ -400,12 +434,15 @@ def main() -> None:
     rows = []
     for seed in args.seeds:
         for system in args.systems:
-            out = args.out / f"{system}-seed{seed}"
+            busy = wait_for_quiet(args.max_busy)
+            out, load = args.out / f"{system}-seed{seed}", os.getloadavg()[0]
             if system == "trl":
                 steps = trl_grpo(args, cfg, seed, init, out)
             else:
                 steps = run_ours(args, system, seed, init, out)
             rows.append(summarise(system, seed, steps, args))
+            rows[-1]["busy_before"] = busy  # other jobs' share of the CPUs just before the run
+            rows[-1]["load_avg_1min"] = [load, os.getloadavg()[0]]  # before, after (shared box)
             brief = {k: v for k, v in rows[-1].items() if k != "per_step"}
             print(json.dumps(brief), flush=True)
             wrong = [s for s in steps if abs(s["generated"] - args.tokens * s["samples"]) > 0.5]
