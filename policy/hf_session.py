@@ -20,7 +20,6 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -29,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 
 from policy.hf import HFPolicy
 from policy.sampling import SamplingParams, sample_next
-from policy.session import Sampled, check_keys
+from policy.session import PolicyBound, Sampled, check_keys
 
 
 @dataclass(slots=True)
@@ -40,7 +39,7 @@ class _Context:
     logits_V: Tensor | None = None  # next-token logits after the last fed token
 
 
-class HFSession:
+class HFSession(PolicyBound):
     """Per-key transformers caches over an HFPolicy's model, generator and version."""
 
     def __init__(self, policy: HFPolicy) -> None:
@@ -50,21 +49,6 @@ class HFSession:
         self.contexts: dict[Hashable, _Context] = {}
         self.batched_forwards = 0
         self._plain: bool | None = None  # does the model return plain DynamicCaches?
-
-    @property
-    def version(self) -> int:
-        return self.policy.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self.policy.version = value
-
-    def load_weights(self, version: int, weights: dict[str, np.ndarray], expected: int) -> None:
-        """Install verified weights as `version` (the policy's too); contexts are kept."""
-        self.policy.load_weights(version, weights, expected)
-
-    def reseed(self, seed: int) -> None:
-        self.policy.reseed(seed)
 
     @torch.inference_mode()
     def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[list | None]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -86,6 +86,27 @@ class DecodeSession(Protocol):
     def cache_bytes(self, key: Hashable) -> int:
         """Bytes of key's cache in use."""
         ...
+
+
+class PolicyBound:
+    """What every session delegates to the policy it wraps: version, weights, RNG."""
+
+    policy: Any
+
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.policy.version = value
+
+    def load_weights(self, version: int, weights: dict[str, np.ndarray], expected: int) -> None:
+        """Install verified weights as `version` (the policy's too); contexts are kept."""
+        self.policy.load_weights(version, weights, expected)
+
+    def reseed(self, seed: int) -> None:
+        self.policy.reseed(seed)
 
 
 def open_session(policy) -> DecodeSession:

@@ -111,7 +111,6 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             state.step = step
             if step == t.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 save_checkpoint(run_dir, state, learner)
-                ray.get(learner.trim.remote(ray.get(learner.last_acked.remote())))
             bar.write(console_line(step, t.steps, metrics) + (f"\n!!! {alarm}" if alarm else ""))
             bar.update(1)
     finally:

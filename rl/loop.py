@@ -184,7 +184,6 @@ def rl_train(
         state.step = step
         if step == t.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save_checkpoint(run_dir, state, learner)
-            ray.get(learner.trim.remote(ray.get(learner.last_acked.remote())))
         bar.write(console_line(step, t.steps, metrics) + (f"\n!!! {alarm}" if alarm else ""))
         bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
         bar.update(1)

@@ -60,11 +60,15 @@ def worker_seed(run_seed: int, step: int, worker: int) -> int:
 
 
 def save_checkpoint(run_dir: Path, state: RunState, learner) -> Path:
+    """Write and commit a checkpoint, then trim the stream entries it has consumed (only after
+    the commit: a crash in between leaves them for the previous checkpoint)."""
     root = run_dir / "checkpoints"
     tmp = ckpt.staging_dir(root, state.step)
-    ray.get(learner.save_checkpoint.remote(str(tmp)))
+    last_acked = ray.get(learner.save_checkpoint.remote(str(tmp)))
     ckpt.write_json(tmp / "driver.json", state.to_json())
-    return ckpt.commit(root, tmp, state.step)
+    path = ckpt.commit(root, tmp, state.step)
+    ray.get(learner.trim.remote(last_acked))
+    return path
 
 
 def load_latest(run_dir: Path, *, rng: bool = True) -> tuple[Path, RunState]:

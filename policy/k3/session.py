@@ -31,7 +31,6 @@ from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,7 +38,7 @@ from policy.k3.cache import K3Cache
 from policy.k3.engine import K3Policy
 from policy.k3.plan import DecodePlan
 from policy.sampling import SamplingParams, sample_next
-from policy.session import Sampled, check_keys
+from policy.session import PolicyBound, Sampled, check_keys
 
 _MIN_COMPACT = 64  # slots below which holes are not worth a compaction
 
@@ -52,7 +51,7 @@ class _Context:
     logits_V: Tensor | None = None  # next-token logits after the last fed token
 
 
-class K3Session:
+class K3Session(PolicyBound):
     """Per-key K3Cache rows over a K3Policy's model, generator, version and routing setting."""
 
     def __init__(self, policy: K3Policy) -> None:
@@ -65,21 +64,6 @@ class K3Session:
         self._tensors: list[Tensor] = []
 
     # -- the policy's state ---------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self.policy.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self.policy.version = value
-
-    def load_weights(self, version: int, weights: dict[str, np.ndarray], expected: int) -> None:
-        """Install verified weights as `version` (the policy's too); contexts are kept."""
-        self.policy.load_weights(version, weights, expected)
-
-    def reseed(self, seed: int) -> None:
-        self.policy.reseed(seed)
-
     # -- the session API ------------------------------------------------------------------------
     @torch.inference_mode()
     def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[list | None]:
