@@ -59,19 +59,19 @@ class Learner:
 
     def export(self):  # what rl/learner.py's export does, less gathering the tensors
         self.version += 1
-        return self.version, self.weights, checksum(self.weights)
+        return self.version, self.weights, None  # the publisher hashes while it stores
 
     def publish(self):
         return self.publisher.publish()
+
+    def prepare_push(self):
+        return self.publisher.prepare()
 
     def open_broadcast(self):
         return self.publisher.open_broadcast()
 
     def join_broadcast(self, address, port, world, timeout_s):
         self.publisher.join(address, port, world, timeout_s)
-
-    def prepare_broadcast(self):
-        return self.publisher.prepare_broadcast()
 
     def broadcast(self):
         self.publisher.broadcast()
@@ -83,7 +83,7 @@ class StateDict:
     def __init__(self, weights: dict[str, np.ndarray]):
         self.tensors = {name: torch.from_numpy(np.zeros_like(a)) for name, a in weights.items()}
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
         return self.tensors
 
 
@@ -167,7 +167,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--models", nargs="+", default=["quickstart", "128", "256"])
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--bucket-mb", type=float, default=64)
+    p.add_argument("--bucket-mb", type=float, default=256)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--gap", type=float, default=0.5, help="seconds between pushes")
     args = p.parse_args()

@@ -145,22 +145,44 @@ def bucketize(weights: dict[str, np.ndarray], bucket_bytes: int) -> list[list[st
     return buckets
 
 
+ADOPTED = "_agentrl_adopted_weights"
+"""Attribute a model carries while some of its CPU tensors use adopted (read-only) memory."""
+
+
 def import_weights(model: torch.nn.Module, weights: Mapping[str, np.ndarray]) -> None:
-    """Copy arrays into the model in place (strict: names and shapes must match)."""
-    state = model.state_dict()
+    """Install arrays as the model's tensors, all or nothing (names and shapes are checked first).
+
+    `VerifiedWeights` are immutable once verified, so a CPU tensor of the same dtype takes the
+    array's memory itself, with no copy: a worker then serves straight from the bytes it hashed
+    (for an object-store push, the one copy in Ray's shared memory that every worker on the node
+    maps; the previous version's memory is freed when nothing holds it any more). Anything else
+    is copied: in place into tensors that own their memory (on an accelerator, or dtypes that
+    differ), into fresh tensors where the model holds adopted read-only memory."""
+    state = model.state_dict(keep_vars=True)  # the parameters and buffers themselves
     missing = sorted(set(state) - set(weights))
     unexpected = sorted(set(weights) - set(state))
     if missing or unexpected:
         raise ValueError(
             f"weights do not match the model: missing={missing[:5]}, unexpected={unexpected[:5]}"
         )
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only object-store arrays: we only read
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: nothing writes to them
+        sources = {name: torch.from_numpy(np.asarray(weights[name])) for name in state}
+    for name, tensor in state.items():
+        if sources[name].shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(sources[name].shape)} != {tuple(tensor.shape)}")
+    adopt = isinstance(weights, VerifiedWeights)
+    adopted_before = getattr(model, ADOPTED, False)
+    with torch.no_grad():
         for name, tensor in state.items():
-            source = torch.from_numpy(np.asarray(weights[name]))
-            if source.shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(source.shape)} != {tuple(tensor.shape)}")
-            tensor.copy_(source)
+            source, on_cpu = sources[name], tensor.device.type == "cpu"
+            if adopt and on_cpu and tensor.dtype == source.dtype:
+                tensor.data = source  # zero copy: the parameter now uses the verified bytes
+            elif adopted_before and on_cpu:  # never write into memory that may be read-only
+                tensor.data = source.to(tensor.dtype, copy=True)
+            else:
+                tensor.copy_(source)
+    setattr(model, ADOPTED, adopt)
 
 
 def import_verified(model, version: int, weights: Mapping[str, np.ndarray], expected: int) -> None:

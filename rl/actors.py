@@ -189,14 +189,14 @@ class LearnerHost:
     def publish(self) -> tuple:
         return self.publisher.publish()
 
+    def prepare_push(self) -> Manifest:
+        return self.publisher.prepare()
+
     def open_broadcast(self) -> tuple[str, int]:
         return self.publisher.open_broadcast()
 
     def join_broadcast(self, address: str, port: int, world: int, timeout_s: float) -> None:
         self.publisher.join(address, port, world, timeout_s)
-
-    def prepare_broadcast(self) -> Manifest:
-        return self.publisher.prepare_broadcast()
 
     def broadcast(self) -> None:
         self.publisher.broadcast()

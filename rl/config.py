@@ -395,8 +395,9 @@ class MetricsConfig:
 class WeightsConfig:
     transport: Literal["object_store", "broadcast"] = "object_store"
     """object_store: buckets as Ray objects (shared memory on a node); broadcast: a gloo group."""
-    bucket_mb: float = 64.0
-    """Size of one bucket of a push."""
+    bucket_mb: float = 256.0
+    """Size of one bucket of a push. object_store: fewer, bigger buckets cost fewer Ray calls
+    (256 MiB measured fastest on 2 cores); broadcast pipelines buckets and does better near 16."""
     push_timeout_s: float = 120.0
     """A push not acknowledged by every worker within this time is an error naming them."""
 

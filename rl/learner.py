@@ -20,7 +20,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from policy.hf import checksum
 from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
 from rl.advantages import gae
 from rl.algorithms import algorithm_for
@@ -369,12 +368,12 @@ class Learner:
 
         load_learner(self, directory, rng=rng)
 
-    def export(self) -> tuple[int, dict[str, np.ndarray], int]:
-        """(version, full weights as numpy arrays, checksum) for the rollout workers; every rank
-        must call it (it gathers shards); ranks other than 0 get an empty dict."""
+    def export(self) -> tuple[int, dict[str, np.ndarray], None]:
+        """(version, full weights as numpy arrays, None) for the rollout workers; every rank
+        must call it (it gathers shards); ranks other than 0 get an empty dict. The checksum is
+        left to `rl.weights.Publisher`, which hashes while it stores the buckets."""
         weights = self.shard.full_weights(self.trunk)
-        weights = {k.removeprefix("policy."): v for k, v in weights.items()}
-        return self.version, weights, checksum(weights)
+        return self.version, {k.removeprefix("policy."): v for k, v in weights.items()}, None
 
 
 def _router_stats(model):

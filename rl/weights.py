@@ -3,18 +3,20 @@
 The learner exports full tensors once per push and splits them into buckets of about
 `bucket_mb`. Two transports carry the buckets:
 
-- `object_store`: each bucket is one Ray object of numpy arrays; workers on a node map the same
-  read-only memory; a worker fetches bucket i+1 (a thread) while it hashes bucket i.
+- `object_store`: each bucket is one Ray object of byte pieces (`split_bytes`), stored while the
+  learner hashes the tensors on a thread; workers on a node map the same read-only memory,
+  fetch bucket i+1 (a thread) while they hash bucket i, and install by adopting those verified
+  arrays as their CPU tensors (no copy: `policy.hf.import_weights`).
 - `broadcast`: a gloo process group (learner = rank 0, workers = 1..N, set up once) broadcasts
   each bucket as one flat byte tensor; the next bucket is on the wire while one is hashed.
 
 Checksums are xxh3-64 (`policy.hf.checksum`): one digest per tensor, a bucket's checksum combines
 its tensors' digests, the push's checksum combines all of them. Every byte is hashed once on each
-side: the learner at export (the checksum it returns keeps the digests the buckets are made of),
-a worker as each bucket arrives. A worker verifies every bucket and the whole push before it
-installs anything, then copies all buckets into its model at once: it serves version N or N-1,
-never a mix. A push not acknowledged by every worker within the timeout, or rejected by one,
-raises an error naming the workers.
+side: the learner while it stores the buckets (or at export, when the export's checksum keeps its
+digests), a worker as each bucket arrives. A worker verifies every bucket and the whole push
+before it installs anything, then installs all buckets at once: it serves version N or N-1, never
+a mix. A push not acknowledged by every worker within the timeout, or rejected by one, raises an
+error naming the workers.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import datetime
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import ray
@@ -87,6 +89,52 @@ def verify_bucket(manifest: Manifest, index: int, bucket: dict[str, np.ndarray])
     if combine(digests) != manifest.bucket_checksums[index]:
         raise ValueError(f"weight bucket {index} of version {manifest.version} is corrupt")
     return digests
+
+
+# --- object-store transport -----------------------------------------------------------------
+PIECE_BYTES = 512 << 10
+"""Tensors travel through the object store in pieces of at most this many bytes. Ray copies
+each buffer over 1 MiB with a pool of threads, which on a few cores is far slower than plain
+memcpy of smaller buffers (a 64 MiB bucket: 23 ms as one array, 6.5 ms as 4 MiB arrays, 4.3 ms
+in 512 KiB pieces, 2 cores; `benchmarks/weight_push.py`)."""
+
+
+def split_bytes(array: np.ndarray) -> list[np.ndarray]:
+    """An array's bytes as consecutive pieces of at most PIECE_BYTES (views, no copy)."""
+    flat = as_bytes(array)
+    return [flat[i : i + PIECE_BYTES] for i in range(0, flat.size, PIECE_BYTES)] or [flat]
+
+
+def join_bytes(pieces: list[np.ndarray]) -> np.ndarray:
+    """The pieces as one flat byte array: a read-only view when they lie end to end in memory
+    (one object-store object lays its buffers out so), a copy otherwise. The view's base is the
+    first piece, whose object-store buffer pins the whole object. Callers hash the result, so a
+    wrong join could only fail verification, never install wrong bytes."""
+    if len(pieces) == 1:
+        return pieces[0]
+    start = pieces[0].__array_interface__["data"][0]
+    offset = 0
+    for piece in pieces:
+        if piece.dtype != np.uint8 or piece.ndim != 1:
+            raise ValueError("weight pieces must be flat uint8 arrays")
+        if piece.__array_interface__["data"][0] != start + offset:
+            return np.concatenate(pieces)
+        offset += piece.size
+    return np.lib.stride_tricks.as_strided(
+        pieces[0], shape=(offset,), strides=(1,), writeable=False
+    )
+
+
+def unpack_pieces(manifest: Manifest, index: int, bucket: dict) -> dict[str, np.ndarray]:
+    """Bucket `index` as it came out of the object store (name -> byte pieces) as arrays."""
+    arrays = {}
+    for name, pieces in bucket.items():
+        shape, dtype = manifest.specs.get(name, ((), "|u1"))
+        flat = join_bytes(list(pieces))
+        if flat.size != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+            raise ValueError(f"weight bucket {index} of version {manifest.version} is corrupt")
+        arrays[name] = flat.view(np.dtype(dtype)).reshape(shape)
+    return arrays
 
 
 # --- broadcast transport --------------------------------------------------------------------
@@ -193,12 +241,29 @@ class Publisher:
         self.export, self.bucket_mb = export, bucket_mb
         self.group = None
         self.pending: tuple[Manifest, dict] | None = None
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="weight-hash")
 
     def publish(self) -> tuple[Manifest, list]:
-        """Object-store transport: one object per bucket (the returned refs keep them alive)."""
+        """Object-store transport: one object per bucket (the returned refs keep them alive).
+        Storing the buckets and hashing the tensors overlap (both release the GIL): each byte
+        is read once for the checksum and once into the object store."""
         version, weights, total = self.export()
-        manifest = make_manifest(version, weights, self.bucket_mb, total)
-        return manifest, [ray.put({n: weights[n] for n in names}) for names in manifest.buckets]
+        hashing = None
+        if getattr(total, "digests", None) is None:
+            hashing = self.hasher.submit(checksum, weights)
+        buckets = bucketize(weights, int(self.bucket_mb * 2**20))
+        refs = [ray.put({n: split_bytes(weights[n]) for n in names}) for names in buckets]
+        digests = total if hashing is None else hashing.result()
+        manifest = make_manifest(version, weights, self.bucket_mb, digests)
+        if total is not None and int(total) != int(digests):
+            manifest = replace(manifest, checksum=int(total))  # the export's word is final
+        return manifest, refs
+
+    def prepare(self) -> Manifest:
+        """Broadcast transport: export and checksum now, send with `broadcast`."""
+        version, weights, total = self.export()
+        self.pending = (make_manifest(version, weights, self.bucket_mb, total), weights)
+        return self.pending[0]
 
     def open_broadcast(self) -> tuple[str, int]:
         import socket
@@ -210,11 +275,6 @@ class Publisher:
 
     def join(self, address: str, port: int, world: int, timeout_s: float) -> None:
         self.group = open_group(address, port, 0, world, timeout_s)
-
-    def prepare_broadcast(self) -> Manifest:
-        version, weights, total = self.export()
-        self.pending = (make_manifest(version, weights, self.bucket_mb, total), weights)
-        return self.pending[0]
 
     def broadcast(self) -> None:
         manifest, weights = self.pending
@@ -239,7 +299,7 @@ class Receiver:
         try:
             fetch = fetcher.submit(ray.get, refs[0]) if refs else None
             for index, names in enumerate(manifest.buckets):
-                bucket = fetch.result()
+                bucket = unpack_pieces(manifest, index, fetch.result())
                 if index + 1 < len(refs):  # bucket i+1 is fetched while bucket i is hashed
                     fetch = fetcher.submit(ray.get, refs[index + 1])
                 digests.update(zip(names, verify_bucket(manifest, index, bucket), strict=True))
@@ -278,11 +338,11 @@ def push_weights(learner, workers, *, timeout_s: float, transport: str = "object
     """Publish the learner's weights to every worker; returns version, seconds, bytes, GB/s."""
     start = time.perf_counter()
     if transport == "broadcast":
-        manifest = ray.get(learner.prepare_broadcast.remote())
+        manifest = ray.get(learner.prepare_push.remote(), timeout=timeout_s)
         sender = learner.broadcast.remote()
         pending = {w.receive_broadcast.remote(manifest): i for i, w in enumerate(workers)}
     else:
-        manifest, refs = ray.get(learner.publish.remote())
+        manifest, refs = ray.get(learner.publish.remote(), timeout=timeout_s)
         sender = None
         pending = {w.receive_object_store.remote(manifest, refs): i for i, w in enumerate(workers)}
     ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)

@@ -17,18 +17,23 @@ from policy.hf import (
     checksum,
     export_weights,
     import_verified,
+    import_weights,
     verified,
 )
 from rl.weights import (
+    PIECE_BYTES,
     Publisher,
     Receiver,
     WeightPushRejected,
     WeightPushTimeout,
     connect_broadcast,
+    join_bytes,
     make_manifest,
     pack_bucket,
     push_weights,
+    split_bytes,
     unpack_bucket,
+    unpack_pieces,
     verify_bucket,
 )
 from tests.conftest import TINY_MODEL
@@ -71,14 +76,14 @@ class LearnerStub:
     def publish(self):
         return self.publisher.publish()
 
+    def prepare_push(self):
+        return self.publisher.prepare()
+
     def open_broadcast(self):
         return self.publisher.open_broadcast()
 
     def join_broadcast(self, address, port, world, timeout_s):
         self.publisher.join(address, port, world, timeout_s)
-
-    def prepare_broadcast(self):
-        return self.publisher.prepare_broadcast()
 
     def broadcast(self):
         self.publisher.broadcast()
@@ -231,3 +236,41 @@ def test_broadcast_buckets_pack_to_aligned_bytes_and_back():
     verify_bucket(manifest, 0, bucket)
     with pytest.raises(ValueError, match="corrupt"):
         unpack_bucket(manifest, 0, flat[:-1])
+
+
+def test_object_store_pieces_rejoin_as_a_view_when_they_lie_end_to_end():
+    weights = {"big": np.arange(300_000, dtype=np.float32), "small": np.arange(5, dtype=np.int64)}
+    pieces = split_bytes(weights["big"])
+    assert len(pieces) == 3 and all(p.size <= PIECE_BYTES for p in pieces)
+    joined = join_bytes(pieces)  # as in one object-store object: end to end, no copy
+    assert np.shares_memory(joined, weights["big"]) and not joined.flags.writeable
+    scattered = [p.copy() for p in pieces]  # elsewhere: joined by a copy
+    assert not any(np.shares_memory(join_bytes(scattered), p) for p in scattered)
+    manifest = make_manifest(1, weights, bucket_mb=64)
+    bucket = unpack_pieces(manifest, 0, {n: split_bytes(a) for n, a in weights.items()})
+    for name, array in weights.items():
+        np.testing.assert_array_equal(bucket[name], array)
+    verify_bucket(manifest, 0, bucket)
+    with pytest.raises(ValueError, match="bucket 0 of version 1 is corrupt"):
+        unpack_pieces(manifest, 0, {"big": pieces[:2], "small": split_bytes(weights["small"])})
+
+
+def test_verified_weights_are_adopted_without_a_copy_and_never_written_later(tiny_model, tokenizer):
+    """A worker serves from the verified arrays themselves (no copy); a later install of plain
+    arrays gives the model fresh memory instead of writing into the adopted, read-only arrays."""
+    pushed = export_weights(build_model("qwen3", TINY_MODEL, vocab_size=len(tokenizer), seed=5))
+    for array in pushed.values():
+        array.flags.writeable = False  # as object-store arrays are
+    total = checksum(pushed)
+    import_verified(tiny_model, 1, verified(1, pushed, total.digests, total), int(total))
+    addresses = {a.ctypes.data for a in pushed.values()}
+    state = tiny_model.state_dict()
+    assert all(t.data_ptr() in addresses for t in state.values())
+    assert checksum(export_weights(tiny_model)) == total
+    before = {n: a.copy() for n, a in pushed.items()}
+    plain = export_weights(build_model("qwen3", TINY_MODEL, vocab_size=len(tokenizer), seed=6))
+    import_weights(tiny_model, plain)
+    assert checksum(export_weights(tiny_model)) == checksum(plain)
+    for name, array in pushed.items():
+        np.testing.assert_array_equal(array, before[name])
+    assert not any(t.data_ptr() in addresses for t in tiny_model.state_dict().values())
