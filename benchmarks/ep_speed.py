@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 import time
 import warnings
@@ -35,6 +34,7 @@ import torch.multiprocessing as mp
 
 from policy.k3.moe import StableLatentMoE
 from policy.parallel import build_meshes, parallelize
+from rl.launch import free_port
 
 
 def parse_args() -> argparse.Namespace:
@@ -104,9 +104,7 @@ def _rank_main(rank: int, world: int, port: int, args, out_file: str) -> None:
 
 
 def two_rank_seconds(args) -> dict[str, float]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out_file = os.path.join(tmp, "seconds.pt")
         mp.spawn(_rank_main, args=(2, port, args, out_file), nprocs=2)

@@ -7,8 +7,9 @@ An assistant message with `tool_calls` runs the tools and returns their results 
 messages. One without tool calls is the final answer: the env grades it, `terminated` is True and
 `info["outcome"]` holds the facts (`{"success": bool, "details": {...}}`). A tool may also end the
 episode by calling `self.submit(answer)` (an `answer` tool, say). Running out of turns sets
-`truncated` (never both). `reward` is the env's native signal (1.0 on success, else 0.0);
-`reward/` decides what a trajectory is worth.
+`truncated` (never both). `reward` is the env's native signal (1.0 on success, else 0.0); the
+rollout sums it into `Trajectory.env_reward`, and `reward/` decides what a trajectory is worth
+(the native signal counts only through its `env_reward` term).
 
 `get_state()` / `set_state(state)` save an unfinished episode as plain JSON-able data and continue
 it elsewhere: the state is the RNG state the task was drawn with plus the actions so far, and

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from policy.sampling import Completion, SamplingParams, sample_next
+from policy.sampling import Completion, SamplingParams, left_pad, sample_next
 
 
 def _forward(model, input_ids, attention_mask, position_ids, cache):
@@ -42,13 +42,8 @@ def generate(
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids_BP = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask_BP = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids_BP[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask_BP[row, width - len(prompt) :] = 1
-    ids_BP, mask_BP = ids_BP.to(device), mask_BP.to(device)
+    ids_BP, mask_BP = left_pad(prompts, pad_token_id)
+    ids_BP, mask_BP = ids_BP.to(device), mask_BP.long().to(device)
     pos_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
     logits_BV, cache = _forward(model, ids_BP, mask_BP, pos_BP, None)
 

@@ -62,7 +62,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from policy.k3.balance import expert_load, load_summary, quantile_balancing_candidate
+from policy.k3.balance import (
+    expert_load,
+    load_summary,
+    next_bias,
+    quantile_balancing_candidate,
+)
 from policy.k3.moe import (
     DISPATCHES,
     GroupedExperts,
@@ -329,28 +334,6 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
 # --------------------------------------------------------------------------- QB and load metrics
 
 
-@torch.no_grad()
-def _recentered(candidate_N: torch.Tensor, bias_N: torch.Tensor, ema: float) -> torch.Tensor:
-    mixed_N = ema * bias_N.to(candidate_N.dtype) + (1.0 - ema) * candidate_N
-    return (mixed_N - mixed_N.mean()).to(bias_N.dtype)
-
-
-@torch.no_grad()
-def global_quantile_balancing_update(
-    scores_MN: torch.Tensor,
-    bias_N: torch.Tensor,
-    top_k: int,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """One QB step on a data-parallel batch, Megatron's convention: every rank computes the
-    candidate bias of its own M tokens, the candidates are averaged over ranks (one all-reduce of
-    N numbers), then re-centred. Identical on every rank. This is the average of per-rank
-    quantiles, not the quantile of the pooled tokens."""
-    candidate_N = quantile_balancing_candidate(scores_MN, bias_N, top_k).double()
-    dist.all_reduce(candidate_N, group=group)
-    return _recentered(candidate_N / dist.get_world_size(group), bias_N, ema=0.0)
-
-
 class RouterStats:
     """Per-layer routing statistics of one training step over all data-parallel ranks: Quantile
     Balancing candidates (averaged over every micro-batch of every rank, Megatron's
@@ -429,7 +412,7 @@ class RouterStats:
             total_N1 = total_N1.to(bias_N.device)
             dist.all_reduce(total_N1, group=self.group)
             if total_N1[-1] > 0:
-                bias_N.copy_(_recentered(total_N1[:-1] / total_N1[-1], bias_N, self.ema))
+                bias_N.copy_(next_bias(total_N1[:-1] / total_N1[-1], bias_N, self.ema))
                 updated[name] = bias_N.detach().clone()
         return updated
 

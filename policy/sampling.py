@@ -81,3 +81,15 @@ def _filter(scaled_BV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_BV = sorted_BV.masked_fill(drop_BV, float("-inf"))
         scaled_BV = torch.full_like(scaled_BV, float("-inf")).scatter(-1, order_BV, sorted_BV)
     return scaled_BV
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as a left-padded batch: ids [B, P] (long, `pad_token_id` in the padding) and
+    mask [B, P] (bool, True = real token), P the longest prompt."""
+    width = max(len(p) for p in prompts)
+    ids_BP = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask_BP = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        ids_BP[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask_BP[row, width - len(prompt) :] = True
+    return ids_BP, mask_BP

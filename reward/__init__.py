@@ -1,23 +1,24 @@
 """Scoring trajectories. `build_reward({"task_completion": 1.0, "invalid_tool_call": -0.1})`
 makes the configured weighted sum (a run file's `reward:` section)."""
 
-from reward.base import Reward, RewardFn
+from reward.base import Reward
 from reward.compose import Weighted
 from reward.shaping import InvalidToolCall, LengthPenalty
-from reward.task import TaskCompletion
+from reward.task import EnvReward, TaskCompletion
 
 REWARDS = {
     "task_completion": TaskCompletion,
+    "env_reward": EnvReward,
     "invalid_tool_call": InvalidToolCall,
     "length": LengthPenalty,
 }
 
 __all__ = [
     "REWARDS",
+    "EnvReward",
     "InvalidToolCall",
     "LengthPenalty",
     "Reward",
-    "RewardFn",
     "TaskCompletion",
     "Weighted",
     "build_reward",

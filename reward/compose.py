@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 
-from reward.base import Reward, RewardFn
-from rollout.types import Trajectory
+from reward.base import Reward
+from rollout.types import Scorer, Trajectory
 
 
 class Weighted:
-    def __init__(self, terms: list[tuple[str, RewardFn, float]]):
+    def __init__(self, terms: list[tuple[str, Scorer, float]]):
         if not terms:
             raise ValueError("Weighted needs at least one reward term")
         self.terms = terms

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 from pathlib import Path
 
@@ -23,16 +22,20 @@ from policy.hf import import_weights
 from policy.sampling import SamplingParams
 from rl.build import build_learner, build_worker, stream_names
 from rl.config import RunConfig
+from rl.console import configure_from_env
 from rl.distributed import Shard, init_group
+from rl.launch import rendezvous
 from rl.weights import Manifest, Publisher, Receiver, connect_broadcast
 from rollout.worker import Task
 
 
 def _quiet() -> None:
+    """An actor's logging: transformers quiet, ours at the level the CLI chose (rl/console.py)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    configure_from_env()
 
 
 class WorkerHost:
@@ -148,9 +151,7 @@ class LearnerHost:
             self.setup()
 
     def rendezvous(self) -> tuple[str, int]:
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+        return rendezvous()
 
     def setup(self, address: str | None = None, port: int | None = None) -> None:
         cfg = self.args[0]

@@ -110,12 +110,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="agentrl", description="Agentic RL post-training on Ray + Redis"
     )
+    common = argparse.ArgumentParser(add_help=False)
+    loud = common.add_mutually_exclusive_group()
+    loud.add_argument("-v", "--verbose", action="store_true", help="also print debug records")
+    loud.add_argument("-q", "--quiet", action="store_true", help="print only warnings and errors")
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, text in (
         ("train", cmd_train, "run a training job"),
         ("check", cmd_check, "validate a run file and overrides"),
     ):
-        sp = sub.add_parser(name, help=text)
+        sp = sub.add_parser(name, help=text, parents=[common])
         sp.add_argument("config", nargs="?", help="YAML run file, e.g. configs/quickstart.yaml")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=3e-4")
         sp.set_defaults(fn=fn, strict=False, resume=None)
@@ -133,10 +137,10 @@ def parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="exit 3 unless RL beats the warm start beyond the 95%% intervals",
             )
-    sp = sub.add_parser("plot", help="draw a run's reward curve")
+    sp = sub.add_parser("plot", help="draw a run's reward curve", parents=[common])
     sp.add_argument("run_dir")
     sp.set_defaults(fn=cmd_plot)
-    sp = sub.add_parser("envs", help="tool environments: list them, or check one")
+    sp = sub.add_parser("envs", help="tool environments: list them, or check one", parents=[common])
     sp.add_argument("action", choices=["list", "check"])
     sp.add_argument("env_id", nargs="?", help="env id to check, e.g. agentrl/Calculator-v0")
     sp.add_argument("kwargs", nargs="*", help="env kwargs, e.g. difficulty=2")
@@ -148,6 +152,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from rl.console import configure, level_from_flags
+
+    configure(level_from_flags(args.verbose, args.quiet))
     try:
         return args.fn(args)
     except ConfigError as exc:

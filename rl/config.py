@@ -7,6 +7,7 @@ Every key is documented once, here. Loading fails before Ray or Redis start, nam
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,11 @@ from rl.schema import ConfigError, apply_override, build
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
     if value < 0 or (value == 0 and not zero_ok):
         raise ConfigError(name, f"must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(name, f"must be a finite number, got {value}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,6 +91,9 @@ class RewardConfig:
 
     task_completion: float = 1.0
     """1 when the env's outcome says the task was solved, else 0."""
+    env_reward: float = 0.0
+    """The env's own Gymnasium step rewards summed over the episode (0: ignored). This section
+    alone decides what the learner trains on; an env's native reward counts only through it."""
     invalid_tool_call: float = 0.0
     """Per invalid or unparsable tool call in the episode; a penalty, e.g. -0.1."""
     length: float = 0.0
@@ -92,6 +101,7 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         _positive("task_completion", self.task_completion, zero_ok=True)
+        _finite("env_reward", self.env_reward)
         for name in ("invalid_tool_call", "length"):
             if getattr(self, name) > 0:
                 raise ConfigError(
@@ -104,6 +114,7 @@ class RewardConfig:
         """The non-zero terms, as `reward.build_reward` takes them."""
         terms = {
             "task_completion": self.task_completion,
+            "env_reward": self.env_reward,
             "invalid_tool_call": self.invalid_tool_call,
             "length": self.length,
         }
@@ -189,18 +200,16 @@ class RolloutConfig:
             raise ConfigError("max_new_tokens", f"must be below max_seq_len ({self.max_seq_len})")
 
 
-ALGORITHMS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo")
-AGGREGATIONS = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
+Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"]
+Aggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+"""How per-token losses become one number (rl.losses; TRL's loss types)."""
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
-    algorithm: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"] = "grpo"
+    algorithm: Algorithm = "grpo"
     """grpo | dr_grpo | dapo | gspo | cispo (group-relative), or ppo (value head + GAE)."""
     steps: int = 60
     """Optimizer steps (one batch of fresh rollouts each)."""
@@ -214,12 +223,7 @@ class TrainerConfig:
     """Lower clip of the importance ratio (null: the algorithm's default, 0.2; gspo 3e-4)."""
     clip_high: float | None = None
     """Upper clip (null: 0.2; dapo 0.28; gspo 4e-4); for cispo the ratio cap (default 5.0)."""
-    loss_aggregation: (
-        Literal[
-            "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-        ]
-        | None
-    ) = None
+    loss_aggregation: Aggregation | None = None
     """null: the algorithm's default (grpo/gspo seq-mean-token-mean, dr_grpo
     seq-mean-token-sum-norm, dapo/cispo/ppo token-mean)."""
     kl_coef: float = 0.0

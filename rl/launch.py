@@ -52,10 +52,19 @@ def find_redis_server() -> str:
     )
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now ("" = every interface, for peers on other nodes)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def rendezvous() -> tuple[str, int]:
+    """This node's address and a free port on every interface: where a process group's rank 0
+    listens for the other ranks."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port("")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -94,7 +103,7 @@ def start_redis(data_dir: Path, *, port: int | None = None, timeout: float = 15.
     """A private redis-server on 127.0.0.1 with a password and AOF in `data_dir`."""
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    password, port = secrets.token_hex(16), port or _free_port()
+    password, port = secrets.token_hex(16), port or free_port()
     conf = data_dir / "redis.conf"
     conf.write_text(
         f"bind 127.0.0.1\nport {port}\nrequirepass {password}\nprotected-mode yes\n"
@@ -144,7 +153,9 @@ def start_ray(cfg: RayConfig) -> None:
         import envs, policy, reward, rl, rollout  # noqa: E401, I001
 
         modules = [envs, policy, reward, rl, rollout]
-        ray.init(address=cfg.address, runtime_env={"py_modules": modules}, logging_level="warning")
+        level = {k: v for k, v in os.environ.items() if k == "AGENTRL_LOG_LEVEL"}  # rl/console.py
+        runtime_env = {"py_modules": modules, "env_vars": level}
+        ray.init(address=cfg.address, runtime_env=runtime_env, logging_level="warning")
 
 
 def stop_ray() -> None:

@@ -7,6 +7,7 @@ counter, optimizer, RNG states and stream position.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,6 +34,8 @@ from rl.schema import to_dict
 from rl.weights import push_weights
 from rollout.render import ChatRenderer
 from rollout.worker import Task
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +246,7 @@ def report(evals: dict[str, dict[str, EvalResult]], base: str, algo: str, run_di
             f"{100 * (after.success - before.success):+.1f} points, {verdict}"
         )
         summary["rl_beats_base_beyond_intervals"] = separated
-    print("\n".join(lines), flush=True)
+    log.info("\n".join(lines))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -255,4 +258,5 @@ def _tokenizer(model_dir):
 
 
 def say(text: str) -> None:
-    print(f"[agentrl] {text}", flush=True)
+    """A progress line for the console (`[agentrl] text` under the CLI; rl/console.py)."""
+    log.info(text)

@@ -42,9 +42,7 @@ from typing import Literal
 
 import torch
 
-Aggregation = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-]
+from rl.config import Aggregation
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

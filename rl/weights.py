@@ -22,6 +22,7 @@ error naming the workers.
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -31,6 +32,9 @@ import ray
 import torch
 
 from policy.hf import as_bytes, bucketize, checksum, combine, tensor_digest, verified
+from rl.launch import rendezvous
+
+log = logging.getLogger(__name__)
 
 
 class WeightPushTimeout(TimeoutError):
@@ -266,12 +270,7 @@ class Publisher:
         return self.pending[0]
 
     def open_broadcast(self) -> tuple[str, int]:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return rendezvous()
 
     def join(self, address: str, port: int, world: int, timeout_s: float) -> None:
         self.group = open_group(address, port, 0, world, timeout_s)
@@ -372,6 +371,11 @@ def push_weights(learner, workers, *, timeout_s: float, transport: str = "object
         raise RuntimeError(f"workers report versions {versions} after pushing {manifest.version}")
     seconds = time.perf_counter() - start
     delivered = manifest.nbytes * len(workers)
+    log.debug(
+        f"pushed version {manifest.version} ({manifest.nbytes / 2**20:.1f} MiB, "
+        f"{len(manifest.buckets)} buckets, {transport}) to {len(workers)} workers "
+        f"in {seconds:.3f} s"
+    )
     return {
         "version": manifest.version,
         "seconds": seconds,

@@ -218,10 +218,11 @@ class AgentLoop:
     def _after_env_step(self, episode: Episode, future: Future) -> None:
         traj = episode.traj
         try:
-            observation, _, terminated, truncated, info = future.result()
+            observation, step_reward, terminated, truncated, info = future.result()
         except Exception as exc:  # an env bug ends this episode, not the worker
             episode.finish(RolloutStatus.ENV_ERROR, f"{type(exc).__name__}: {exc}")
             return
+        traj.env_reward += float(step_reward)
         traj.num_tool_calls += int(info.get("tool_calls", 0))
         traj.num_tool_errors += int(info.get("tool_errors", 0))
         if terminated or truncated:

@@ -35,7 +35,7 @@ _SCALARS = (
 )
 
 
-_OPTIONAL = {"traj_id": "", "attempt": 1, "resumed": 0}
+_OPTIONAL = {"traj_id": "", "attempt": 1, "resumed": 0, "env_reward": 0.0}
 """Scalars added after format 1 was first written; older entries decode with these."""
 
 

@@ -97,10 +97,11 @@ def _advance(episode: _Episode, completion: Completion, version: int, renderer) 
     traj.num_parse_errors += len(parsed.errors)
     traj.messages.append(parsed.message)
     try:
-        observation, _, terminated, truncated, info = episode.env.step(parsed.message)
+        observation, step_reward, terminated, truncated, info = episode.env.step(parsed.message)
     except Exception as exc:  # an env bug ends this episode, not the worker
         episode.finish(RolloutStatus.ENV_ERROR, f"{type(exc).__name__}: {exc}")
         return
+    traj.env_reward += float(step_reward)
     traj.num_tool_calls += int(info.get("tool_calls", 0))
     traj.num_tool_errors += int(info.get("tool_errors", 0))
     if terminated or truncated:

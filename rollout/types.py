@@ -51,6 +51,10 @@ class Trajectory:
     num_tool_calls: int = 0
     num_tool_errors: int = 0
     num_parse_errors: int = 0
+    env_reward: float = 0.0
+    """Sum of the env's own Gymnasium step rewards. It counts toward training only through the
+    `env_reward` term of `reward/` (a run file's `reward.env_reward` weight): `reward` below,
+    the weighted sum of the configured terms, is the one number the learner trains on."""
     reward: float = 0.0
     reward_parts: dict[str, float] = field(default_factory=dict)
     routed_experts: list | None = None

@@ -99,10 +99,6 @@ def process_budget(limits: Limits, uid: int) -> int:
     return limits.max_processes + processes_of(uid) + slack
 
 
-def is_sandbox_uid(uid: int) -> bool:
-    return UID_BASE <= uid < UID_BASE + UID_SPAN
-
-
 def processes_of(uid: int) -> int:
     """How many processes (threads included) `uid` runs now: RLIMIT_NPROC counts them all."""
     count = 0

@@ -52,13 +52,6 @@ def quantile_balancing_update(
     return (bhat_N - bhat_N.mean()).to(bias_N.dtype)
 
 
-@torch.no_grad()
-def sign_bias_update(load_N: torch.Tensor, bias_N: torch.Tensor, gamma: float) -> torch.Tensor:
-    """DeepSeek-V3 aux-loss-free rule (arXiv 2408.15664): b += gamma * sign(mean_load - load)."""
-    load = load_N.to(bias_N.dtype)
-    return bias_N + gamma * torch.sign(load.mean() - load)
-
-
 def expert_load(indices_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert, int64 [N]."""
     return torch.bincount(indices_TK.reshape(-1), minlength=num_experts)
@@ -80,6 +73,15 @@ def load_summary(load_N: torch.Tensor) -> dict[str, float]:
         "cv": float(load_N.std(unbiased=False) / mean),
         "dead_experts": float((load_N == 0).sum()),
     }
+
+
+@torch.no_grad()
+def next_bias(candidate_N: torch.Tensor, bias_N: torch.Tensor, ema: float = 0.0) -> torch.Tensor:
+    """The new bias from an averaged candidate: blended with the old bias (ema, 0 = replace) and
+    re-centred to mean zero, in the bias's dtype. The one place QB's average becomes a bias
+    (QuantileAccumulator here, RouterStats in policy.parallel across ranks)."""
+    mixed_N = ema * bias_N.to(candidate_N.dtype) + (1.0 - ema) * candidate_N.to(bias_N.device)
+    return (mixed_N - mixed_N.mean()).to(bias_N.dtype)
 
 
 class QuantileAccumulator:
@@ -114,7 +116,6 @@ class QuantileAccumulator:
     @torch.no_grad()
     def update(self, bias_N: torch.Tensor) -> torch.Tensor:
         """The next bias; resets the accumulator."""
-        cand_N = self.mean_candidate().to(bias_N.device)
-        new_N = self.ema * bias_N.to(cand_N.dtype) + (1.0 - self.ema) * cand_N
+        new_N = next_bias(self.mean_candidate(), bias_N, self.ema)
         self._total_N, self._count = None, 0
-        return (new_N - new_N.mean()).to(bias_N.dtype)
+        return new_N

@@ -42,7 +42,7 @@ from policy.hf import import_verified
 from policy.k3.cache import K3Cache
 from policy.k3.decode import forward_tokens
 from policy.k3.plan import DecodePlan, build_plan
-from policy.sampling import Completion, SamplingParams, sample_next
+from policy.sampling import Completion, SamplingParams, left_pad, sample_next
 
 
 class K3Policy:
@@ -110,12 +110,8 @@ class K3Policy:
     # -- forward passes -------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]], plan: DecodePlan | None = None):
         """Left-padded chunked prefill -> (K3Cache, last logits [B, V], routing [B, P, M, Kx])."""
-        width = max(len(p) for p in prompts)
-        ids_BP = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask_BP = torch.zeros((len(prompts), width), dtype=torch.bool)
-        for row, prompt in enumerate(prompts):
-            ids_BP[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask_BP[row, width - len(prompt) :] = True
+        ids_BP, mask_BP = left_pad(prompts, self.pad_token_id)
+        width = ids_BP.shape[1]
         ids_BP, mask_BP = ids_BP.to(self.device), mask_BP.to(self.device)
         dtype = self.model.get_input_embeddings().weight.dtype
         cache = K3Cache.empty(

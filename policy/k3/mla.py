@@ -27,20 +27,6 @@ import torch
 from torch import Tensor, nn
 
 
-class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) computed in fp32, cast back, times weight (HF convention)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
 @dataclass
 class MLACache:
     """Latent KV cache of one MLA layer: exactly R + E values per token.
@@ -91,12 +77,12 @@ class GatedMLA(nn.Module):
             self.q_proj = nn.Linear(hidden_size, q_size, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps)
+            self.q_a_layernorm = nn.RMSNorm(q_lora_rank, eps=norm_eps)
             self.q_b_proj = nn.Linear(q_lora_rank, q_size, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(
             hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False
         )
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
+        self.kv_a_layernorm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
         self.kv_b_proj = nn.Linear(
             kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False
         )

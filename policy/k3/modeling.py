@@ -51,7 +51,7 @@ from policy.k3.attn_res import AttnRes, AttnResState, closes_block
 from policy.k3.cache import K3Cache
 from policy.k3.configuration import K3Config
 from policy.k3.kda import GatedRMSNorm, KimiDeltaAttention
-from policy.k3.mla import GatedMLA, RMSNorm
+from policy.k3.mla import GatedMLA
 from policy.k3.moe import GroupedExperts, StableLatentMoE
 from policy.k3.routing import Routing, TopKRouter
 from policy.k3.situ import SituGLU
@@ -118,8 +118,8 @@ class K3DecoderLayer(nn.Module):
             self.mlp = StableLatentMoE(StableLatentMoE.Config.from_k3(config))
         else:
             self.mlp = SituGLU(d, config.intermediate_size, *config.situ_betas)
-        self.input_layernorm = RMSNorm(d, eps)
-        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.input_layernorm = nn.RMSNorm(d, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
         if self.block_size is not None:
             self.self_attention_res = AttnRes(d, eps)
             self.mlp_res = AttnRes(d, eps)
@@ -180,7 +180,7 @@ class K3PreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, nn.Conv1d):  # KDA short convs: PyTorch's default, as fla
             init.kaiming_uniform_(module.weight, a=math.sqrt(5))
-        elif isinstance(module, (RMSNorm, GatedRMSNorm, nn.RMSNorm)):
+        elif isinstance(module, (GatedRMSNorm, nn.RMSNorm)):
             init.ones_(module.weight)
         elif isinstance(module, GroupedExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
@@ -218,7 +218,7 @@ class K3Model(K3PreTrainedModel):
         )
         if config.attn_res_block_size is not None:
             self.output_attn_res = AttnRes(config.hidden_size, config.rms_norm_eps)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

@@ -42,20 +42,6 @@ from policy.k3.situ import SituGLU, situ_glu
 DISPATCHES = ("naive", "dense", "segment", "grouped")
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in at least float32 and cast back."""
-
-    def __init__(self, size: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.to(x32.dtype)).to(x.dtype)
-
-
 def _expert_mlp(z_NL, gate_up_FL, down_LF, betas):
     """One SiTU-GLU expert on its tokens (used by the naive loop)."""
     gate_NF, up_NF = (z_NL @ gate_up_FL.T).chunk(2, dim=-1)
@@ -241,7 +227,7 @@ class StableLatentMoE(nn.Module):
             self.routed_expert_down_proj = nn.Linear(c.hidden_size, c.latent_size, bias=False)
             self.routed_expert_up_proj = nn.Linear(c.latent_size, c.hidden_size, bias=False)
             if c.use_latent_norm:
-                self.routed_expert_norm = RMSNorm(c.latent_size, c.rms_norm_eps)
+                self.routed_expert_norm = nn.RMSNorm(c.latent_size, eps=c.rms_norm_eps)
         self.shared_experts = None
         if c.num_shared_experts > 0:
             shared_width = c.num_shared_experts * c.moe_intermediate_size

@@ -13,7 +13,7 @@ import pytest
 
 from envs.sandbox import Limits, Sandbox, SandboxConfig, SandboxUnavailable
 from envs.sandbox.bwrap import find_bwrap
-from envs.sandbox.limits import is_sandbox_uid
+from envs.sandbox.limits import UID_BASE, UID_SPAN
 
 HAVE_BWRAP = find_bwrap() is not None
 requires_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")
@@ -26,6 +26,10 @@ LIMITS = Limits(
     workspace_mb=16,
     output_bytes=65536,
 )
+
+
+def is_sandbox_uid(uid: int) -> bool:
+    return UID_BASE <= uid < UID_BASE + UID_SPAN
 
 
 def leftovers() -> list[str]:

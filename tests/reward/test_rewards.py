@@ -116,3 +116,35 @@ def test_metrics_break_down_by_part_env_and_tool(tokenizer):
     assert 0.0 <= m["env/agentrl/Calculator-v0/success_rate"] <= 1.0
     assert m["reward/invalid_tool_call"] == pytest.approx(6 / 7)
     assert m["rollout/grader_errors"] == 0 and m["rollout/env_errors"] == 0
+
+
+class StepCost(gymnasium.Wrapper):
+    """The calculator with a shaped native reward: -0.25 per step on top of its 1.0 on success."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward - 0.25, terminated, truncated, info
+
+
+class ListSink:
+    def __init__(self):
+        self.groups = []
+
+    def put(self, group):
+        self.groups.append(group)
+
+
+@pytest.mark.parametrize("weights", [{"env_reward": 1.0}, {"task_completion": 1.0}])
+def test_the_env_reward_counts_only_through_the_env_reward_term(tokenizer, weights):
+    """reward/ alone decides what is trained on; the env's own step rewards are summed into
+    Trajectory.env_reward and matter only when the run file weights the env_reward term."""
+    w = worker(tokenizer, build_reward(weights))
+    w.env_factory, w.sink = (lambda: StepCost(gymnasium.make("agentrl/Calculator-v0"))), ListSink()
+    collect(w, tokenizer)
+    trajs = [t for group in w.sink.groups for t in group.trajectories]
+    assert len(trajs) == 6
+    for t in trajs:  # one tool turn, then the answer: two env steps
+        assert t.env_reward == pytest.approx(float(t.success) - 0.5)
+        expected = t.env_reward if "env_reward" in weights else float(t.success)
+        assert t.reward == pytest.approx(expected)
+    assert any(t.env_reward != float(t.success) for t in trajs)  # the two sources differ

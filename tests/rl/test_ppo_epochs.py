@@ -382,13 +382,11 @@ def _rank_run(rank, world, port, out):
 
 
 def _ranks(world):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
+    from rl.launch import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank_run, args=(r, world, port, out)) for r in range(world)]

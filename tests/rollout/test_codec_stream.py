@@ -22,6 +22,7 @@ def sample_group(n=3) -> TrajectoryGroup:
             float(i == 0),
         )
         t.reward_parts, t.num_tool_calls = {"task_completion": float(i == 0)}, 1
+        t.env_reward = 0.75 - i  # the env's own step rewards, summed
         trajs.append(t)
     return TrajectoryGroup(group_id="1-0", task_id="agentrl/Calculator-v0#7", trajectories=trajs)
 

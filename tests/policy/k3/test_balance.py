@@ -12,8 +12,15 @@ from policy.k3.balance import (
     load_metrics,
     quantile_balancing_candidate,
     quantile_balancing_update,
-    sign_bias_update,
 )
+
+
+@torch.no_grad()
+def sign_bias_update(load_N: torch.Tensor, bias_N: torch.Tensor, gamma: float) -> torch.Tensor:
+    """The baseline QB is compared with: DeepSeek-V3's aux-loss-free rule (arXiv 2408.15664),
+    b += gamma * sign(mean_load - load)."""
+    load = load_N.to(bias_N.dtype)
+    return bias_N + gamma * torch.sign(load.mean() - load)
 
 
 def skewed_scores(gen, m=2048, n=16) -> torch.Tensor:
