@@ -8,7 +8,8 @@ that a step is a short list of large ops instead of many small module calls:
   attends with one [B, H, L] @ [B, L, S] matmul;
 - T > 1 (prefill chunks, left padding allowed): the q|k|v short conv as W shifted
   multiply-adds, chunked KDA in the factored form below (kda.kda_chunked for unbounded
-  gates), absorbed MLA over all slots with the causal and key masks;
+  gates), absorbed MLA over all slots by blocks with online softmax (flash.py: no [T, S]
+  scores or mask, the causal and key masks built per block);
 - token-local parts (norms, AttnRes, MLPs) run on the B*T tokens flattened;
 - MoE experts (float32), by the number A of token-expert assignments: A < E (small decode
   batches) batched matmuls on the gathered experts' weights; A <= 4E (decode) each expert's
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from policy.k3.attn_res import closes_block
 from policy.k3.cache import K3Cache
+from policy.k3.flash import flash_attention
 from policy.k3.kda import kda_chunked
 from policy.k3.plan import DecodePlan, ExpertsPlan, KDAPlan, MLAPlan, MLPPlan
 
@@ -50,7 +52,7 @@ class _Step:
     start: int  # first slot of the new tokens
     mask_BT: Tensor | None  # None: every new token is real
     mask_N1: Tensor | None
-    blocked_B1TS: Tensor  # MLA: True where a query must not see a slot
+    blocked_B1S: Tensor | None  # MLA decode (T == 1): True where the query must not see a slot
 
 
 def forward_tokens(
@@ -102,15 +104,11 @@ def _mask_n1(mask_BT: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return None if mask_BT is None else mask_BT.reshape(-1, 1).to(dtype)
 
 
-def _blocked(cache: K3Cache, start: int, length: int) -> Tensor:
-    keys_B1S = cache.key_mask[:, None, : start + length]
-    if length == 1:
-        return ~keys_B1S[:, None]
-    slots_S = torch.arange(start + length, device=keys_B1S.device)
-    causal_TS = (
-        slots_S[None, :] <= torch.arange(start, start + length, device=slots_S.device)[:, None]
-    )
-    return ~(keys_B1S & causal_TS)[:, None]
+def _blocked(cache: K3Cache, start: int, length: int) -> Tensor | None:
+    """[B, 1, S] for one token; None for T > 1 (flash.py builds the mask per block)."""
+    if length > 1:
+        return None
+    return ~cache.key_mask[:, None, : start + 1]
 
 
 def _scaled(x: Tensor, eps: Tensor, value: float) -> Tensor:
@@ -272,16 +270,18 @@ def _mla(p: MLAPlan, x_ND: Tensor, cache: K3Cache, layer: int, step: _Step) -> T
     new_BTL = slots_BSL[:, step.start :]
     new_BTL.copy_(kv_NL.view(batch, length, -1))
     new_BTL[..., :rank] = _rms(new_BTL[..., :rank], p.kv_eps, p.kv_norm_w)
-    q_BGL = q_NQ.view(batch, length, heads, -1).transpose(1, 2).reshape(batch, heads * length, -1)
-    scores_BHTS = (q_BGL @ slots_BSL.transpose(1, 2)).view(batch, heads, length, -1)
-    scores_BHTS = scores_BHTS.masked_fill_(step.blocked_B1TS, torch.finfo(scores_BHTS.dtype).min)
-    p_BGS = torch.softmax(scores_BHTS, -1).view(batch, heads * length, -1)
-    o_lat_BHTR = (p_BGS @ slots_BSL[..., :rank]).view(batch, heads, length, rank)
     if length == 1:
-        o_BHTV = (o_lat_BHTR[:, :, 0].transpose(0, 1) @ p.w_uv).transpose(0, 1)[:, :, None]
-    else:
-        o_BHTV = o_lat_BHTR @ p.w_uv
-    o_NX = o_BHTV.transpose(1, 2).reshape(batch * length, -1)
+        scores_BHS = q_NQ.view(batch, heads, -1) @ slots_BSL.transpose(1, 2)
+        scores_BHS = scores_BHS.masked_fill_(step.blocked_B1S, torch.finfo(q_NQ.dtype).min)
+        p_BHS = torch.softmax(scores_BHS, -1)
+        o_lat_BHR = p_BHS @ slots_BSL[..., :rank]
+        o_NX = (o_lat_BHR.transpose(0, 1) @ p.w_uv).transpose(0, 1).reshape(batch, -1)
+    else:  # by blocks: no [B, H, T, S] scores, no [B, T, S] mask (flash.py)
+        o_lat_BTHR = flash_attention(
+            q_NQ.view(batch, length, heads, -1), slots_BSL, slots_BSL[..., :rank], scale=1.0,
+            offset=step.start, key_mask_BS=cache.key_mask[:, : step.start + length],
+        )  # fmt: skip
+        o_NX = torch.einsum("bthr,hrv->bthv", o_lat_BTHR, p.w_uv).reshape(batch * length, -1)
     if step.mask_N1 is not None:
         o_NX = o_NX * step.mask_N1
     if p.gated:

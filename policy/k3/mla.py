@@ -10,8 +10,11 @@ the shared k_rope still exist and take part in the dot product, they are just ne
     o            = softmax((q . k) * (Dn + E)^-0.5 + causal/padding mask) @ v
     y            = W_o (o * sigmoid(W_g x))                                 (K3 gate, full rank)
 
-Two paths share the weights: `naive` materialises per-head k and v; `absorbed` folds W_kvb into
-the query and the output and attends in the latent space (the decode path).
+Two forms share the weights: `naive` materialises per-head k and v; `absorbed` folds W_kvb into
+the query and the output and attends in the latent space (the decode path). Each has a dense
+reference (`attend_naive`, `attend_absorbed`: full [B, H, T, S] scores and [B, T, S] mask) and
+the blockwise online-softmax `attend` (flash.py: O(T + S) memory in forward and backward), which
+`forward` uses unless dense=True.
 
 Letters:
     B batch, T new tokens, S cached + new tokens (keys), H heads, D hidden size,
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from policy.k3.flash import BLOCK_K, BLOCK_Q, flash_attention
 
 
 @dataclass
@@ -89,6 +94,7 @@ class GatedMLA(nn.Module):
         if output_gate:
             self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+        self.block_q, self.block_k = BLOCK_Q, BLOCK_K  # blocks of `attend` (flash.py)
 
     def query(self, x_BTD: Tensor) -> Tensor:
         """Per-head queries [B, T, H, Q] (no rotation)."""
@@ -105,32 +111,59 @@ class GatedMLA(nn.Module):
         )
         return torch.cat([self.kv_a_layernorm(c_kv_BTR), k_rope_BTE], dim=-1)
 
-    def attend_naive(self, q_BTHQ: Tensor, latent_BSL: Tensor, allowed_BTS: Tensor) -> Tensor:
-        """Reference path: expand the latent to per-head keys and values. -> [B, T, H, Dv]."""
+    def expand(self, latent_BSL: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-head keys [B, S, H, Q] (k_rope shared by the heads) and values [B, S, H, Dv]."""
         c_kv_BSR, k_rope_BSE = latent_BSL.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         kv_BSHX = self.kv_b_proj(c_kv_BSR).unflatten(-1, (self.num_heads, -1))
         k_nope_BSHN, v_BSHV = kv_BSHX.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k_rope_BSHE = k_rope_BSE[:, :, None, :].expand(-1, -1, self.num_heads, -1)
-        k_BSHQ = torch.cat([k_nope_BSHN, k_rope_BSHE], dim=-1)
+        return torch.cat([k_nope_BSHN, k_rope_BSHE], dim=-1), v_BSHV
+
+    def absorb(self, q_BTHQ: Tensor) -> tuple[Tensor, Tensor]:
+        """Latent queries [B, T, H, L] = [q_nope W_UK | q_rope] (q_lat . c_kv == q_nope . k_nope)
+        and W_UV [H, Dv, R] (o = W_UV o_lat)."""
+        q_nope_BTHN, q_rope_BTHE = q_BTHQ.split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
+        w_HXR = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))
+        w_uk_HNR, w_uv_HVR = w_HXR.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        q_lat_BTHR = torch.einsum("bthn,hnr->bthr", q_nope_BTHN, w_uk_HNR)
+        return torch.cat([q_lat_BTHR, q_rope_BTHE], dim=-1), w_uv_HVR
+
+    def attend_naive(self, q_BTHQ: Tensor, latent_BSL: Tensor, allowed_BTS: Tensor) -> Tensor:
+        """Reference path: expand the latent to per-head keys and values. -> [B, T, H, Dv]."""
+        k_BSHQ, v_BSHV = self.expand(latent_BSL)
         scores_BHTS = torch.einsum("bthq,bshq->bhts", q_BTHQ, k_BSHQ) * self.scaling
         p_BHTS = _masked_softmax(scores_BHTS, allowed_BTS).to(v_BSHV.dtype)
         return torch.einsum("bhts,bshv->bthv", p_BHTS, v_BSHV)
 
     def attend_absorbed(self, q_BTHQ: Tensor, latent_BSL: Tensor, allowed_BTS: Tensor) -> Tensor:
-        """Decode path: W_UK folded into q, W_UV applied after attending over c_kv.
+        """Dense latent path: W_UK folded into q, W_UV applied after attending over c_kv.
 
         -> [B, T, H, Dv]. Same weights and result as `attend_naive` (tested to 1e-10 in fp64).
         """
-        c_kv_BSR, k_rope_BSE = latent_BSL.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
-        q_nope_BTHN, q_rope_BTHE = q_BTHQ.split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
-        w_HXR = self.kv_b_proj.weight.unflatten(0, (self.num_heads, -1))
-        w_uk_HNR, w_uv_HVR = w_HXR.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-        q_lat_BTHR = torch.einsum("bthn,hnr->bthr", q_nope_BTHN, w_uk_HNR)
-        scores_BHTS = torch.einsum("bthr,bsr->bhts", q_lat_BTHR, c_kv_BSR)
-        scores_BHTS = scores_BHTS + torch.einsum("bthe,bse->bhts", q_rope_BTHE, k_rope_BSE)
-        p_BHTS = _masked_softmax(scores_BHTS * self.scaling, allowed_BTS).to(c_kv_BSR.dtype)
-        o_lat_BTHR = torch.einsum("bhts,bsr->bthr", p_BHTS, c_kv_BSR)
+        q_BTHL, w_uv_HVR = self.absorb(q_BTHQ)
+        scores_BHTS = torch.einsum("bthl,bsl->bhts", q_BTHL, latent_BSL)
+        p_BHTS = _masked_softmax(scores_BHTS * self.scaling, allowed_BTS).to(latent_BSL.dtype)
+        o_lat_BTHR = torch.einsum("bhts,bsr->bthr", p_BHTS, latent_BSL[..., : self.kv_lora_rank])
         return torch.einsum("bthr,hvr->bthv", o_lat_BTHR, w_uv_HVR)
+
+    def attend(
+        self, q_BTHQ: Tensor, latent_BSL: Tensor, key_mask_BS: Tensor, *, past: int, absorbed: bool
+    ) -> Tensor:
+        """Fast path: `attend_absorbed` (absorbed) or `attend_naive` by blocks (flash.py), with
+        no [B, H, T, S] scores and no [B, T, S] mask; O(T + S) memory in forward and backward.
+
+        Query i sits at position past + i; key_mask [B, S] False = padding. -> [B, T, H, Dv]
+        (zero for a query that sees no key).
+        """
+        blocks = {"scale": self.scaling, "offset": past, "key_mask_BS": key_mask_BS,
+                  "block_q": self.block_q, "block_k": self.block_k}  # fmt: skip
+        if absorbed:
+            q_BTHL, w_uv_HVR = self.absorb(q_BTHQ)
+            c_kv_BSR = latent_BSL[..., : self.kv_lora_rank]
+            o_lat_BTHR = flash_attention(q_BTHL, latent_BSL, c_kv_BSR, **blocks)
+            return torch.einsum("bthr,hvr->bthv", o_lat_BTHR, w_uv_HVR)
+        k_BSHQ, v_BSHV = self.expand(latent_BSL)
+        return flash_attention(q_BTHQ, k_BSHQ, v_BSHV, **blocks)
 
     def forward(
         self,
@@ -139,13 +172,15 @@ class GatedMLA(nn.Module):
         cache: MLACache | None = None,
         mask: Tensor | None = None,
         absorbed: bool | None = None,
+        dense: bool = False,
     ) -> tuple[Tensor, MLACache]:
         """hidden [B, T, D] -> (out [B, T, D], cache with the T new tokens appended).
 
         mask [B, T] (1 = real token) marks padding among the new tokens; padded keys are never
         attended to and padded queries output zero. The new tokens sit at positions
         cache.length .. cache.length + T - 1 for the causal mask. absorbed: None -> absorbed for
-        T == 1 (decode), naive otherwise.
+        T == 1 (decode), naive otherwise. dense: the reference paths over the full [B, H, T, S]
+        scores (`attend_naive` / `attend_absorbed`) instead of the blockwise `attend`.
         """
         batch, length, _ = hidden_BTD.shape
         if cache is None:
@@ -153,13 +188,17 @@ class GatedMLA(nn.Module):
             cache = MLACache(empty, torch.ones(batch, 0, dtype=torch.bool, device=empty.device))
         past = cache.length
         cache = cache.append(self.latent(hidden_BTD), mask)
-        rows_T = torch.arange(past, past + length, device=hidden_BTD.device)
-        causal_TS = torch.arange(cache.length, device=rows_T.device)[None, :] <= rows_T[:, None]
-        allowed_BTS = causal_TS[None] & cache.key_mask[:, None, :]
         if absorbed is None:
             absorbed = length == 1
-        attend = self.attend_absorbed if absorbed else self.attend_naive
-        o_BTHV = attend(self.query(hidden_BTD), cache.latent, allowed_BTS)
+        q_BTHQ = self.query(hidden_BTD)
+        if dense:
+            rows_T = torch.arange(past, past + length, device=hidden_BTD.device)
+            causal_TS = torch.arange(cache.length, device=rows_T.device)[None, :] <= rows_T[:, None]
+            allowed_BTS = causal_TS[None] & cache.key_mask[:, None, :]
+            attend = self.attend_absorbed if absorbed else self.attend_naive
+            o_BTHV = attend(q_BTHQ, cache.latent, allowed_BTS)
+        else:
+            o_BTHV = self.attend(q_BTHQ, cache.latent, cache.key_mask, past=past, absorbed=absorbed)
         if mask is not None:
             o_BTHV = o_BTHV * mask.to(o_BTHV.dtype)[:, :, None, None]
         if hasattr(self, "g_proj"):

@@ -1,0 +1,217 @@
+"""Blockwise (flash) MLA attention == the dense reference paths, and it never holds a [T, S] tensor.
+
+float64 parity of outputs and gradients (flash_attention alone, GatedMLA.forward, the fused
+prefill of decode.py) with left padding, a cache offset, T and S not multiples of the blocks and
+blocks smaller than T; then deterministic memory measures at T = 2048: the largest tensor autograd
+saves for the backward, and the largest tensor any op creates (forward and backward).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from policy.k3 import K3Cache
+from policy.k3 import decode as k3_decode
+from policy.k3.decode import forward_tokens
+from policy.k3.flash import flash_attention
+from policy.k3.mla import _masked_softmax
+from policy.k3.plan import build_plan
+from tests.policy.k3.test_engine import make_model
+from tests.policy.k3.test_mla import hidden, make_mla
+
+F64 = torch.float64
+
+
+def dense_attention(q_BTHK, k, v, *, scale, offset, key_mask_BS):
+    """Reference: full scores, mla._masked_softmax, rows that see no key zeroed."""
+    shared = k.dim() == 3
+    scores_BHTS = torch.einsum("bthk,bsk->bhts" if shared else "bthk,bshk->bhts", q_BTHK, k)
+    rows_T = torch.arange(offset, offset + q_BTHK.shape[1])
+    allowed_BTS = (torch.arange(k.shape[1])[None, :] <= rows_T[:, None])[None] & key_mask_BS[
+        :, None
+    ]
+    p_BHTS = _masked_softmax(scores_BHTS * scale, allowed_BTS)
+    o_BTHV = torch.einsum("bhts,bsv->bthv" if shared else "bhts,bshv->bthv", p_BHTS, v)
+    return o_BTHV * allowed_BTS.any(-1)[..., None, None]
+
+
+def random_inputs(shared: bool, length=37, past=14, heads=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = past + length
+    kshape, vshape = ((2, keys, 7), (2, keys, 5)) if shared else ((2, keys, heads, 7),
+                                                                   (2, keys, heads, 5))  # fmt: skip
+    tensors = [torch.randn(2, length, heads, 7, generator=gen, dtype=F64)]
+    tensors += [torch.randn(s, generator=gen, dtype=F64) for s in (kshape, vshape)]
+    key_mask = torch.ones(2, keys, dtype=torch.bool)
+    key_mask[0, :20] = False  # row 0: left padding into the new tokens (queries 0..5 see no key)
+    key_mask[1, 3:9] = False  # row 1: a hole in the cached part
+    return [t.requires_grad_() for t in tensors], key_mask
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("blocks", [(8, 16), (5, 3), (64, 64)])
+def test_flash_attention_equals_dense_outputs_and_gradients(shared, blocks):
+    (q, k, v), key_mask = random_inputs(shared)
+    kwargs = {"scale": 0.3, "offset": 14, "key_mask_BS": key_mask}
+    out = flash_attention(q, k, v, **kwargs, block_q=blocks[0], block_k=blocks[1])
+    ref = dense_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    assert (out[0, :6] == 0).all()  # padding queries that see no key output zero
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    refs = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    for g, r in zip(grads, refs, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=0)
+
+
+def test_flash_attention_without_grad_and_with_a_value_slice_of_the_keys():
+    """The engine's form: v is a slice of k (the latent's c_kv), no autograd, no key mask."""
+    (q, k, _), _ = random_inputs(True, seed=3)
+    with torch.no_grad():
+        out = flash_attention(q, k, k[..., :4], scale=0.5, offset=14, block_q=4, block_k=8)
+        ref = dense_attention(q, k, k[..., :4], scale=0.5, offset=14,
+                              key_mask_BS=torch.ones(k.shape[:2], dtype=torch.bool))  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+def mla_loss(mla, x_prefix, x_new, mask_prefix, *, absorbed, dense):
+    """Prefill a left-padded prefix, continue after it (cache offset), weighted sum of both."""
+    out_a, cache = mla(x_prefix, mask=mask_prefix, absorbed=absorbed, dense=dense)
+    out_b, _ = mla(x_new, cache=cache, absorbed=absorbed, dense=dense)
+    gen = torch.Generator().manual_seed(9)
+    return (out_a * torch.randn(out_a.shape, generator=gen, dtype=F64)).sum() + (
+        out_b * torch.randn(out_b.shape, generator=gen, dtype=F64)
+    ).sum(), torch.cat([out_a, out_b], 1)
+
+
+@pytest.mark.parametrize("absorbed", [False, True])
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_gated_mla_blockwise_equals_dense_with_parameter_gradients(absorbed, q_lora_rank):
+    mla = make_mla(q_lora_rank=q_lora_rank, seed=2)
+    mla.block_q, mla.block_k = 4, 7  # several blocks; T = 13, 19 and S = 13, 32 not multiples
+    x_prefix = hidden(2, 13, 32, seed=3).requires_grad_()
+    x_new = hidden(2, 19, 32, seed=4).requires_grad_()
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[1, :6] = False
+    results = []
+    for dense in (True, False):
+        loss, out = mla_loss(mla, x_prefix, x_new, mask, absorbed=absorbed, dense=dense)
+        leaves = [x_prefix, x_new, *mla.parameters()]
+        results.append((out, torch.autograd.grad(loss, leaves)))
+    (ref, ref_grads), (out, grads) = results
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    assert (out[1, :6] == 0).all()
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+
+
+def test_blockwise_naive_equals_blockwise_absorbed():
+    mla = make_mla(seed=8)
+    mla.block_q, mla.block_k = 3, 5
+    x = hidden(2, 23, 32, seed=6)
+    torch.testing.assert_close(mla(x, absorbed=True)[0], mla(x, absorbed=False)[0],
+                               atol=1e-10, rtol=0)  # fmt: skip
+
+
+def test_fused_prefill_with_small_blocks_equals_the_model(monkeypatch):
+    """decode.py's prefill by blocks (several per chunk), left padding, a second chunk after
+    the cache, then decode steps == the model forward with the dense MLA reference."""
+    small = functools.partial(flash_attention, block_q=3, block_k=4)
+    monkeypatch.setattr(k3_decode, "flash_attention", small)
+    model = make_model()
+    plan = build_plan(model)
+    tokens = torch.randint(0, 512, (3, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(tokens)
+    mask[0, :5], mask[1, :14] = 0, 0
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if not layer.is_kda:
+                layer.self_attn.forward = functools.partial(layer.self_attn.forward, dense=True)
+        full = model(tokens, attention_mask=mask).logits
+        cache = K3Cache.empty(model.config, 3, dtype=F64)
+        for start, end in ((0, 11), (11, 21)):
+            logits, _ = forward_tokens(plan, cache, tokens[:, start:end], mask[:, start:end])
+            torch.testing.assert_close(logits, full[:, end - 1], atol=1e-10, rtol=0)
+        for t in range(21, 24):
+            logits, _ = forward_tokens(plan, cache, tokens[:, t : t + 1])
+            torch.testing.assert_close(logits, full[:, t], atol=1e-10, rtol=0)
+
+
+class _Largest(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def train_step_sizes(length: int, dense: bool) -> tuple[int, int, int]:
+    """(largest tensor saved for backward, all saved elements, largest tensor created by any op)
+    for one GatedMLA forward + backward on [1, length] tokens, float32, left padding, blocks
+    128 x 256."""
+    mla = make_mla(seed=1).float()
+    mla.block_q, mla.block_k = 128, 256
+    x = hidden(1, length, 32, seed=2).float().requires_grad_()
+    mask = torch.ones(1, length, dtype=torch.bool)
+    mask[0, :7] = False
+    saved = []
+    with _Largest() as largest:
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel()) or t, lambda t: t
+        ):
+            out, _ = mla(x, mask=mask, dense=dense)
+        out.square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    return max(saved), sum(saved), largest.numel
+
+
+def test_training_memory_is_linear_in_length():
+    """At T = 2048 (H = 3) the dense scores hold H*T*T = 12.6M values; blockwise, nothing
+    saved or created is bigger than a block of scores or a per-token tensor, and all that is
+    saved is a few per-token tensors (a plain autograd loop over the blocks saves ~22M)."""
+    length, heads = 2048, 3
+    largest_saved, all_saved, created = train_step_sizes(length, dense=False)
+    block = heads * 128 * 256  # one block of scores
+    per_token = length * max(32, heads * 10)  # hidden states, per-head q / k
+    assert largest_saved <= per_token < length * length // 16
+    assert all_saved <= 16 * per_token <= length * length // 4
+    assert created <= max(block, per_token) < length * length // 16
+    # the measure sees the quadratic tensors of the dense path (at T = 512 to stay cheap)
+    largest_dense, _, created_dense = train_step_sizes(512, dense=True)
+    assert largest_dense >= heads * 512 * 512 and created_dense >= heads * 512 * 512
+
+
+def test_fused_prefill_memory_is_linear_in_length(monkeypatch):
+    """decode.py's MLA over a 2048-token prefill (two rows, left padding) creates no [T, S]
+    tensor: the dense form held B*H*T*S = 16.8M scores; one block here is B*H*256*512 = 0.5M."""
+    sizes = []
+
+    def measured(*args):
+        with _Largest() as largest:
+            out = mla(*args)
+        sizes.append(largest.numel)
+        return out
+
+    mla = k3_decode._mla
+    monkeypatch.setattr(k3_decode, "_mla", measured)
+    model = make_model(dtype=torch.float32)
+    tokens = torch.randint(0, 512, (2, 2048), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(tokens)
+    mask[1, :100] = 0
+    cache = K3Cache.empty(model.config, 2, dtype=torch.float32, capacity=2048)
+    with torch.no_grad():
+        logits, _ = forward_tokens(build_plan(model), cache, tokens, mask)
+    assert torch.isfinite(logits).all() and sizes
+    assert max(sizes) <= 2 * 2 * 256 * 512 < 2048 * 2048 // 4, sizes
