@@ -12,6 +12,11 @@ views ("linear_attention" = KDA, "full_attention" = MLA; "dense" / "sparse").
 
 Uncertain values [U in the reference]: routed_scaling_factor (2.5 here, the DeepSeek-V3 value
 used by synthetic K3 configs) and rms_norm_eps (1e-5, Kimi-Linear's).
+
+`mla_norm_eps` (not a released key): the eps of MLA's `q_a_layernorm` / `kv_a_layernorm`. The
+reference implementations build those two norms without an eps argument, so they take the
+RMSNorm default 1e-6 (Moonshot's `KimiRMSNorm`, transformers' `KimiLinearRMSNorm` and
+`DeepseekV3RMSNorm`, DeepSeek-V3 `inference/model.py`), not `rms_norm_eps`.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ class K3Config(PretrainedConfig):
     v_head_dim: int = 128
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True
+    mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (the reference's default eps)
     # MoE (section 5)
     num_experts: int = 896
     num_experts_per_token: int = 16

@@ -100,7 +100,7 @@ def build_mixer(config: K3Config, layer_idx: int) -> nn.Module:
         qk_rope_head_dim=config.qk_rope_head_dim,
         v_head_dim=config.v_head_dim,
         output_gate=config.mla_use_output_gate,
-        norm_eps=config.rms_norm_eps,
+        norm_eps=config.mla_norm_eps,
     )
 
 
