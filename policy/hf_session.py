@@ -98,6 +98,20 @@ class HFSession(PolicyBound):
         ctx = self._context(key)
         return ctx.fed + (ctx.pending is not None)
 
+    def bytes_for(self, tokens: int) -> int:
+        """Keys and values of every attention layer for `tokens` tokens (K3 models: K3Cache)."""
+        config, dtype = self.model.config, self.model.get_input_embeddings().weight.dtype
+        if hasattr(config, "linear_attn_config"):
+            from policy.k3.cache import K3Cache
+
+            return K3Cache.row_bytes(config, tokens, dtype)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        item = torch.finfo(dtype).bits // 8
+        return config.num_hidden_layers * 2 * heads * head_dim * item * tokens
+
     def cache_bytes(self, key: Hashable) -> int:
         """Bytes of key's cached keys and values (K3Cache: KDA state + conv + MLA slots)."""
         cache = self._context(key).cache

@@ -87,6 +87,10 @@ class DecodeSession(Protocol):
         """Bytes of key's cache in use."""
         ...
 
+    def bytes_for(self, tokens: int) -> int:
+        """Cache bytes one episode of `tokens` tokens needs (the admission model)."""
+        ...
+
 
 class PolicyBound:
     """What every session delegates to the policy it wraps: version, weights, RNG."""

@@ -5,6 +5,7 @@ Actors call these in their own process; the driver calls `prepare_policy` once p
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gymnasium
@@ -103,7 +104,28 @@ def build_worker(
         limits=EpisodeLimits(max_turns=cfg.rollout.max_turns, max_seq_len=cfg.rollout.max_seq_len),
         max_episodes=cfg.rollout.max_episodes,
         tool_timeout_s=cfg.rollout.tool_timeout_s,
+        cache_budget=cache_budget(cfg),
     )
+
+
+def available_memory() -> int:
+    """Bytes of memory available on this machine (MemAvailable; free pages if unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def cache_budget(cfg: RunConfig) -> int:
+    """A worker's decode-cache budget in bytes: rollout.cache_budget_mb, or by default half of
+    the memory available when the worker starts, shared by the run's workers."""
+    if cfg.rollout.cache_budget_mb is not None:
+        return int(cfg.rollout.cache_budget_mb * 2**20)
+    return available_memory() // 2 // max(1, cfg.rollout.num_workers)
 
 
 def learner_threads(cfg: RunConfig) -> int:

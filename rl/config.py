@@ -7,6 +7,7 @@ Every key is documented once, here. Loading fails before Ray or Redis start, nam
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -145,6 +146,33 @@ class PolicyConfig:
             )
 
 
+def policy_max_positions(policy: PolicyConfig) -> int | None:
+    """The longest context the policy takes (its max_position_embeddings), or None when it is
+    not known before the model loads (a `policy.path` without a config.json)."""
+    if "max_position_embeddings" in policy.config:
+        return int(policy.config["max_position_embeddings"])
+    if policy.path is not None:
+        file = Path(policy.path) / "config.json"
+        if not file.is_file():
+            return None
+        value = json.loads(file.read_text()).get("max_position_embeddings")
+        return None if value is None else int(value)
+    if policy.model_type == "agentrl_k3":
+        from policy.k3 import k3_preset
+
+        try:
+            return k3_preset(policy.config["preset"]).max_position_embeddings
+        except (KeyError, ValueError):
+            return None  # an unknown preset: building the policy names it
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(policy.model_type, **policy.config)
+    except (ValueError, TypeError):
+        return None  # an unknown model type: building it reports that
+    return getattr(config, "max_position_embeddings", None)
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     num_workers: int = 2
@@ -161,7 +189,11 @@ class RolloutConfig:
     max_turns: int = 4
     """Assistant turns per episode."""
     max_seq_len: int = 1024
-    """Tokens per trajectory, prompt included."""
+    """Tokens per trajectory, prompt included; an episode that reaches it ends as truncated. At
+    most the policy's max_position_embeddings (checked before anything starts)."""
+    cache_budget_mb: float | None = None
+    """Decode-cache memory per worker: an episode starts only if every live one can still reach
+    max_seq_len within it (null: half the memory available at start, shared by the workers)."""
     record_routing: bool = True
     """MoE policies: record the experts the rollout engine chose for every token (for routing
     replay and the rollout/learner routing-mismatch metric)."""
@@ -183,6 +215,8 @@ class RolloutConfig:
         _positive("max_restarts", self.max_restarts, zero_ok=True)
         if self.token_budget is not None:
             _positive("token_budget", self.token_budget)
+        if self.cache_budget_mb is not None:
+            _positive("cache_budget_mb", self.cache_budget_mb)
         for name in (
             "num_workers",
             "threads_per_worker",
@@ -434,6 +468,14 @@ class RunConfig:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
             raise ConfigError("name", f"use letters, digits, '.', '_' or '-'; got {self.name!r}")
         _positive("checkpoint_every", self.checkpoint_every, zero_ok=True)
+        limit = policy_max_positions(self.policy)
+        if limit is not None and self.rollout.max_seq_len > limit:
+            raise ConfigError(
+                "rollout.max_seq_len",
+                f"{self.rollout.max_seq_len} tokens is more than the policy takes "
+                f"(max_position_embeddings {limit}); lower rollout.max_seq_len, or raise "
+                "policy.config.max_position_embeddings for a fresh model",
+            )
         if self.rollout.token_budget is not None and self.trainer.mode != "async":
             raise ConfigError(
                 "rollout.token_budget",

@@ -31,6 +31,7 @@ def serve_worker(host, params: SamplingParams) -> None:
         worker.limits,
         tool_timeout_s=cfg.rollout.tool_timeout_s,
         deterministic=False,
+        cache_budget=worker.cache_budget,
     )
     host.rollouts = AsyncRollouts(
         worker,

@@ -112,8 +112,11 @@ class AgentLoop:
         tool_timeout_s: float = 60.0,
         deterministic: bool = True,
         pool: ThreadPoolExecutor | None = None,
+        cache_budget: int | None = None,
     ) -> None:
         self.session, self.renderer, self.limits = session, renderer, limits
+        self.cache_budget = cache_budget
+        """Bytes of cache this loop may hold (None: no limit); see `room`."""
         self.tool_timeout_s, self.deterministic = tool_timeout_s, deterministic
         self.pool = pool or ThreadPoolExecutor(max_workers=16, thread_name_prefix="agentrl-tool")
         self.live: dict[str, Episode] = {}
@@ -121,6 +124,28 @@ class AgentLoop:
         """Called when an episode is between two turns (its observation appended, env idle)."""
         self.generated = 0
         """Tokens sampled by this loop (partial rollouts count them against a budget)."""
+
+    def episode_reserve(self) -> int:
+        """Cache bytes reserved per live episode: twice what one of `limits.max_seq_len` tokens
+        holds (a cache grows by doubling its capacity, and copies while it grows)."""
+        return 2 * self.session.bytes_for(self.limits.max_seq_len)
+
+    def room(self, max_live: int) -> int:
+        """How many more episodes may start: at most `max_live` live, and every live one's
+        reserve within `cache_budget`, so a started episode can always reach max_seq_len (where
+        it ends as truncated) without running the worker out of memory."""
+        free = max_live - len(self.live)
+        if self.cache_budget is not None:
+            reserve = self.episode_reserve()
+            if reserve > self.cache_budget:
+                raise ValueError(
+                    f"rollout.cache_budget_mb: an episode of rollout.max_seq_len="
+                    f"{self.limits.max_seq_len} tokens reserves {reserve / 2**20:.1f} MiB of cache "
+                    f"(twice what it holds at that length), over the worker's budget of "
+                    f"{self.cache_budget / 2**20:.1f} MiB; raise the budget or lower max_seq_len"
+                )
+            free = min(free, self.cache_budget // reserve - len(self.live))
+        return max(free, 0)
 
     def add(self, episode: Episode) -> None:
         if episode.key in self.live:
@@ -263,7 +288,7 @@ def run_all(
     """Run `episodes` to the end, at most `max_live` at once; trajectories in input order."""
     waiting = list(reversed(episodes))
     while waiting or loop.live:
-        while waiting and len(loop.live) < max_live:
+        for _ in range(min(loop.room(max_live), len(waiting))):
             loop.add(waiting.pop())
         if before_step is not None:
             before_step()

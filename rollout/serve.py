@@ -108,8 +108,7 @@ class AsyncRollouts:
         return True
 
     def _admit(self) -> None:
-        room = self.opt.max_episodes - len(self.loop.live)
-        count = room // self.opt.group_size
+        count = self.loop.room(self.opt.max_episodes) // self.opt.group_size
         if count <= 0:
             return
         held = frozenset(g.task.entry_id for g in self.groups.values())

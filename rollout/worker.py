@@ -44,10 +44,13 @@ class RolloutWorker:
         limits: EpisodeLimits,
         max_episodes: int = 64,
         tool_timeout_s: float = 60.0,
+        cache_budget: int | None = None,
     ):
         self.env_factory, self.env_id = env_factory, env_id
         self.policy, self.renderer, self.scorer, self.sink = policy, renderer, scorer, sink
         self.limits, self.max_episodes, self.tool_timeout_s = limits, max_episodes, tool_timeout_s
+        self.cache_budget = cache_budget
+        """Bytes of decode cache this worker may hold (None: no limit; AgentLoop.room)."""
         self._envs: list[Any] = []
         self._session = None
 
@@ -72,7 +75,11 @@ class RolloutWorker:
         session = self.session()
         if session is not None:
             loop = AgentLoop(
-                session, self.renderer, self.limits, tool_timeout_s=self.tool_timeout_s
+                session,
+                self.renderer,
+                self.limits,
+                tool_timeout_s=self.tool_timeout_s,
+                cache_budget=self.cache_budget,
             )
             envs = self._env_pool(len(seeds))
             episodes = [

@@ -65,6 +65,9 @@ class ScriptedSession:
             out.append(SimpleNamespace(token=token, logprob=-0.5, routes=None))
         return out
 
+    def bytes_for(self, tokens):
+        return 100 * tokens  # a made-up cache model: 100 bytes per token
+
     def drop(self, keys):
         for key in keys:
             for store in (self.context, self.queued, self.pending):

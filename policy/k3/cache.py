@@ -89,6 +89,21 @@ class K3Cache:
         key_mask = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         return cls(conv, state, latent, key_mask, 0, splits)
 
+    @staticmethod
+    def row_bytes(config, tokens: int, dtype: torch.dtype) -> int:
+        """Bytes one row (one episode) of `tokens` tokens holds: per KDA layer its state
+        [H, K, V] (at least fp32) and conv window [W-1, 3*H*K]; per MLA layer R + E latent values
+        per token; one key-mask byte per token (benchmarks/cache_bytes.py checks it to the byte)."""
+        la = config.linear_attn_config
+        heads, dim, width = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
+        item = torch.finfo(dtype).bits // 8
+        state_item = torch.finfo(torch.promote_types(dtype, torch.float32)).bits // 8
+        kda = config.layer_types.count("linear_attention")
+        mla = len(config.layer_types) - kda
+        per_kda = heads * dim * dim * state_item + (width - 1) * 3 * heads * dim * item
+        per_token = mla * (config.kv_lora_rank + config.qk_rope_head_dim) * item + 1
+        return kda * per_kda + tokens * per_token
+
     # -- shape ------------------------------------------------------------------------------
     @property
     def num_rows(self) -> int:

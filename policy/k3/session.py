@@ -126,6 +126,11 @@ class K3Session(PolicyBound):
         ctx = self._context(key)
         return ctx.fed + (ctx.pending is not None)
 
+    def bytes_for(self, tokens: int) -> int:
+        """What a row of the shared pool holds for an episode of `tokens` tokens."""
+        dtype = self.policy.model.get_input_embeddings().weight.dtype
+        return K3Cache.row_bytes(self.policy.model.config, tokens, dtype)
+
     def cache_bytes(self, key: Hashable) -> int:
         """KDA states and conv windows of key's row + its MLA latent slots in use."""
         row, pool = self._context(key).row, self.pool

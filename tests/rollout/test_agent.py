@@ -184,3 +184,23 @@ def test_k3_greedy_episodes_equal_the_re_prefill_path(tokenizer):
     for a, b in zip(new, old, strict=True):
         assert a.token_ids == b.token_ids and a.num_turns == b.num_turns
         assert a.sample_logprobs == pytest.approx(b.sample_logprobs, abs=1e-4)
+
+
+def test_memory_aware_admission_never_starts_what_the_budget_cannot_hold(tokenizer):
+    """Every live episode reserves twice the cache of a max_seq_len episode; the loop starts no
+    more than the budget holds, runs the rest as room frees up, and refuses a budget smaller
+    than one episode's reserve, naming the key."""
+    renderer = ChatRenderer(tokenizer)
+    limits = EpisodeLimits(max_seq_len=1024)
+    session = ScriptedSession(tokenizer, expert_script(tokenizer))
+    loop = AgentLoop(session, renderer, limits, cache_budget=3 * 2 * 100 * 1024 + 99)
+    assert loop.episode_reserve() == 2 * 100 * 1024 and loop.room(max_live=10) == 3
+    most = []
+    trajs = run_all(
+        loop, episodes(renderer, 8), params_for(renderer), max_live=10,
+        before_step=lambda: most.append(len(loop.live)),
+    )  # fmt: skip
+    assert max(most) == 3 and all(t.status is RolloutStatus.COMPLETED for t in trajs)
+    small = AgentLoop(session, renderer, limits, cache_budget=2 * 100 * 1024 - 1)
+    with pytest.raises(ValueError, match=r"rollout.cache_budget_mb: .*max_seq_len=1024"):
+        run_all(small, episodes(renderer, 1), params_for(renderer), max_live=4)
