@@ -101,6 +101,15 @@ class WorkerHost:
     def pid(self) -> int:
         return os.getpid()
 
+    def set_stage(self, cfg: RunConfig) -> None:
+        """A curriculum stage begins: its limits and env settings (rl/curriculum.py)."""
+        from rl.build import make_env
+        from rollout.episode import EpisodeLimits
+
+        self.cfg = cfg
+        limits = EpisodeLimits(max_turns=cfg.rollout.max_turns, max_seq_len=cfg.rollout.max_seq_len)
+        self.worker.reconfigure(limits, lambda: make_env(cfg))
+
     def collect(
         self, tasks: list[Task], group_size: int, sampling: SamplingParams, seed: int
     ) -> dict:

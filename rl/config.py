@@ -445,6 +445,33 @@ class WeightsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class StageConfig:
+    """One stage of a context curriculum (rl/curriculum.py): its steps, and the rollout limits
+    and env settings that replace the run's while it lasts."""
+
+    name: str
+    steps: int
+    """RL steps in this stage; the stages' steps add up to trainer.steps."""
+    max_seq_len: int
+    """rollout.max_seq_len during the stage."""
+    max_turns: int | None = None
+    """rollout.max_turns during the stage (null: the run's)."""
+    max_new_tokens: int | None = None
+    """rollout.max_new_tokens during the stage (null: the run's)."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Merged over env.kwargs during the stage (e.g. longer documents, more hops)."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
+            raise ConfigError("name", f"use letters, digits, '.', '_' or '-'; got {self.name!r}")
+        _positive("steps", self.steps)
+        _positive("max_seq_len", self.max_seq_len)
+        for name in ("max_turns", "max_new_tokens"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     name: str = "run"
     seed: int = 0
@@ -463,25 +490,53 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    curriculum: list[StageConfig] = field(default_factory=list)
+    """A context curriculum: stages run in order, each with its own max_seq_len, turns and env
+    settings; a checkpoint at every stage's end (rl/curriculum.py). Empty: no curriculum."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.name):
             raise ConfigError("name", f"use letters, digits, '.', '_' or '-'; got {self.name!r}")
         _positive("checkpoint_every", self.checkpoint_every, zero_ok=True)
         limit = policy_max_positions(self.policy)
-        if limit is not None and self.rollout.max_seq_len > limit:
-            raise ConfigError(
-                "rollout.max_seq_len",
-                f"{self.rollout.max_seq_len} tokens is more than the policy takes "
-                f"(max_position_embeddings {limit}); lower rollout.max_seq_len, or raise "
-                "policy.config.max_position_embeddings for a fresh model",
-            )
+        lengths = [("rollout.max_seq_len", self.rollout.max_seq_len)]
+        lengths += [
+            (f"curriculum[{i}].max_seq_len", s.max_seq_len) for i, s in enumerate(self.curriculum)
+        ]
+        for key, length in lengths:
+            if limit is not None and length > limit:
+                raise ConfigError(
+                    key,
+                    f"{length} tokens is more than the policy takes (max_position_embeddings "
+                    f"{limit}); lower it, or raise policy.config.max_position_embeddings for a "
+                    "fresh model",
+                )
+        self._check_curriculum()
         if self.rollout.token_budget is not None and self.trainer.mode != "async":
             raise ConfigError(
                 "rollout.token_budget",
                 "partial rollouts need trainer.mode: async (a sync step waits for whole groups); "
                 "set trainer.mode=async or remove the budget",
             )
+
+    def _check_curriculum(self) -> None:
+        if not self.curriculum:
+            return
+        if self.trainer.mode != "sync":
+            raise ConfigError("curriculum", "a curriculum runs in trainer.mode: sync for now")
+        total = sum(stage.steps for stage in self.curriculum)
+        if total != self.trainer.steps:
+            raise ConfigError(
+                "trainer.steps",
+                f"is {self.trainer.steps}, but the curriculum's stages add up to {total} steps; "
+                f"set trainer.steps: {total}",
+            )
+        for i, stage in enumerate(self.curriculum):
+            new = stage.max_new_tokens or self.rollout.max_new_tokens
+            if new >= stage.max_seq_len:
+                raise ConfigError(
+                    f"curriculum[{i}].max_seq_len", f"must be above max_new_tokens ({new})"
+                )
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:

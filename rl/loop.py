@@ -20,6 +20,7 @@ from tqdm import tqdm
 from rl import ledger
 from rl.build import prepare_policy, sampling, stream_names
 from rl.config import RunConfig
+from rl.curriculum import describe, stage_ends, stage_index, staged
 from rl.evaluate import EvalResult, evaluate
 from rl.metrics import (
     CollapseDetector,
@@ -80,8 +81,12 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
             purge_step=state.step + 1 if checkpoint else None,
         )
         renderer = ChatRenderer(_tokenizer(state.model_dir))
+        last = len(cfg.curriculum) - 1 if cfg.curriculum else None
         if checkpoint is None:
-            evals = run_evals(cfg, workers, renderer, log, step=0, label=state.base_label)
+            set_stage(cfg, workers, last)  # the evaluations run at the longest stage
+            evals = run_evals(
+                staged(cfg, last), workers, renderer, log, step=0, label=state.base_label
+            )
             state.base_evals = {mode: r.to_dict() for mode, r in evals.items()}
         if cfg.trainer.mode == "async":
             from rl.async_loop import async_train
@@ -90,7 +95,10 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
         else:
             rl_train(cfg, learner, workers, renderer, log, state, run_dir)
         algo = cfg.trainer.algorithm
-        final = run_evals(cfg, workers, renderer, log, step=cfg.trainer.steps, label=algo)
+        set_stage(cfg, workers, last)
+        final = run_evals(
+            staged(cfg, last), workers, renderer, log, step=cfg.trainer.steps, label=algo
+        )
         ray.get(learner.save_model.remote(str(run_dir / "final-model")))
         log.close()
     base = {mode: EvalResult(**r) for mode, r in state.base_evals.items()}
@@ -152,7 +160,7 @@ def restore(
 def rl_train(
     cfg: RunConfig, learner, workers, renderer, log: MetricsLogger, state: RunState, run_dir: Path
 ) -> None:
-    t = cfg.trainer
+    t, stage, ends = cfg.trainer, None, stage_ends(cfg)
     params = sampling(cfg.rollout, renderer)
     detector = CollapseDetector(window=cfg.metrics.collapse_window, drop=cfg.metrics.collapse_drop)
     bar = tqdm(
@@ -160,6 +168,11 @@ def rl_train(
     )
     for step in range(state.step + 1, t.steps + 1):
         start = time.perf_counter()
+        if stage_index(cfg, step) != stage:  # a curriculum stage begins (or resumes)
+            stage = stage_index(cfg, step)
+            set_stage(cfg, workers, stage)
+            params = sampling(staged(cfg, stage).rollout, renderer)
+            bar.write(f"[agentrl] {describe(cfg, stage)}")
         tasks = [
             Task(seed=s, group_id=f"{step}-{i}")
             for i, s in enumerate(state.draw_tasks(t.tasks_per_step))
@@ -183,14 +196,24 @@ def rl_train(
         metrics["health/collapsed"] = float(detector.collapsed)
         metrics["step/seconds"] = time.perf_counter() - start
         metrics.update(redis_metrics(log.client, stream_names(run_dir.name)["trajectories"]))
+        if stage is not None:
+            metrics["curriculum/stage"] = float(stage + 1)
         log.log(step, metrics)
         state.step = step
-        if step == t.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+        every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+        if step == t.steps or every or step in ends:
             save_checkpoint(run_dir, state, learner)
         bar.write(console_line(step, t.steps, metrics) + (f"\n!!! {alarm}" if alarm else ""))
         bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
         bar.update(1)
     bar.close()
+
+
+def set_stage(cfg: RunConfig, workers, index: int | None) -> None:
+    """Give every worker the limits and env settings of curriculum stage `index` (no-op without
+    a curriculum)."""
+    if index is not None:
+        ray.get([w.set_stage.remote(staged(cfg, index)) for w in workers])
 
 
 def run_evals(cfg, workers, renderer, log: MetricsLogger, *, step: int, label: str) -> dict:

@@ -54,6 +54,12 @@ class RolloutWorker:
         self._envs: list[Any] = []
         self._session = None
 
+    def reconfigure(self, limits: EpisodeLimits, env_factory: Callable[[], Any]) -> None:
+        """New episode limits and envs from the next episode on (a curriculum stage begins)."""
+        for env in self._envs:
+            env.close()
+        self.limits, self.env_factory, self._envs = limits, env_factory, []
+
     def session(self):
         """The policy's decode session (persistent per-episode caches), or None for a policy
         that has none (then episodes advance turn by turn through `policy.generate`)."""
