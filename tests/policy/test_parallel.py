@@ -381,7 +381,9 @@ def _k3_model():
     from policy.k3.modeling import K3ForCausalLM
 
     torch.manual_seed(0)
-    return K3ForCausalLM(k3_preset("k3-debug"))
+    # float64: AdamW's first steps divide each gradient by its own magnitude, so float32
+    # reduction-order noise (2 ranks vs 1 process) on near-zero gradients moves weights ~1e-5
+    return K3ForCausalLM(k3_preset("k3-debug")).double()
 
 
 def _k3_train(model, rank: int, world: int, count_fn, stats=None) -> list[float]:
