@@ -46,6 +46,7 @@ BUILTIN = (
     ("agentrl/PythonCode-v0", "envs.python_code:PythonCodeEnv", {"difficulty": 1}),
     ("agentrl/Retrieval-v0", "envs.retrieval:RetrievalEnv", {"difficulty": 1}),
     ("agentrl/FileEdit-v0", "envs.file_edit:FileEditEnv", {"difficulty": 1}),
+    ("agentrl/LongHorizon-v0", "envs.long_horizon:LongHorizonEnv", {}),
 )
 """(id, entry point, default kwargs) of the built-in environments."""
 

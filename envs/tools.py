@@ -33,7 +33,8 @@ from transformers.utils import get_json_schema
 from envs.types import Message, tool_result
 
 MAX_RESULT_CHARS = 4096
-"""Tool results longer than this are cut, with a marker saying how much was dropped."""
+"""Tool results longer than this are cut, with a marker saying how much was dropped (the default;
+an env whose tools return whole documents raises its `toolbox.max_result_chars`)."""
 MAX_ARGUMENT_CHARS = 65536
 """Arguments (as JSON text) longer than this are refused before parsing."""
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -205,9 +206,17 @@ def _short(text: Any, limit: int = 60) -> str:
 class Toolbox:
     """The tools of one env instance, looked up by name; `call` never raises."""
 
-    def __init__(self, tools: list[BoundTool], *, timeout_s: float | None = None):
+    def __init__(
+        self,
+        tools: list[BoundTool],
+        *,
+        timeout_s: float | None = None,
+        max_result_chars: int = MAX_RESULT_CHARS,
+    ):
         self._tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
+        self.max_result_chars = max_result_chars
+        """Results longer than this are cut (with a marker saying how much was dropped)."""
 
     @staticmethod
     def of(owner: Any, *, timeout_s: float | None = None) -> Toolbox:
@@ -251,7 +260,7 @@ class Toolbox:
             return _error(name, str(exc)), False
         except Exception as exc:  # a tool bug is the model's observation, not our crash
             return _error(name, f"{type(exc).__name__}: {exc}"), False
-        return tool_result(name, _render(result)), True
+        return tool_result(name, _render(result, self.max_result_chars)), True
 
 
 def run_with_timeout(bound: BoundTool, kwargs: dict[str, Any], timeout_s: float | None) -> Any:
@@ -285,7 +294,7 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def _render(result: Any) -> str:
+def _render(result: Any, limit: int = MAX_RESULT_CHARS) -> str:
     if isinstance(result, str):
         text = result
     else:
@@ -293,9 +302,9 @@ def _render(result: Any) -> str:
             text = json.dumps(result, ensure_ascii=False)
         except (TypeError, ValueError):
             text = str(result)
-    if len(text) > MAX_RESULT_CHARS:
-        dropped = len(text) - MAX_RESULT_CHARS
-        text = f"{text[:MAX_RESULT_CHARS]}... [truncated {dropped} characters]"
+    if len(text) > limit:
+        dropped = len(text) - limit
+        text = f"{text[:limit]}... [truncated {dropped} characters]"
     return clean_text(text)
 
 
