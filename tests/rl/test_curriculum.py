@@ -51,6 +51,13 @@ def test_stages_are_validated_and_mapped_to_steps(tmp_path):
         assert info.value.key == key
 
 
+def test_the_shipped_long_context_schedule_validates():
+    cfg = load_config(ROOT / "configs/long_context.yaml", [])
+    assert [s.max_seq_len for s in cfg.curriculum] == [8192, 65536, 262144, 1048576]
+    assert sum(s.steps for s in cfg.curriculum) == cfg.trainer.steps
+    assert staged(cfg, 3).env.kwargs["doc_tokens"] == 16000
+
+
 def overrides(out: Path) -> list[str]:
     return [
         *tiny_overrides(out, steps=4),
