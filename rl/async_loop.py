@@ -44,7 +44,7 @@ from rl.runstate import save_checkpoint
 from rl.weights import push_weights
 from rollout.tasks import TaskQueue
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def task_seed(run_seed: int, index: int) -> int:
@@ -81,7 +81,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
     feeder = Feeder(cfg, client, run_dir.name)
     requeued = feeder.queue.requeue_all_pending()  # tasks held by a dead job's workers
     if requeued:
-        log.info(f"{requeued} unfinished tasks issued again")
+        logger.info(f"{requeued} unfinished tasks issued again")
     client.set(names["version"], state.step)
     serving = [w.serve.remote(sampling(cfg.rollout, renderer)) for w in workers]
     detector = CollapseDetector(window=cfg.metrics.collapse_window, drop=cfg.metrics.collapse_drop)

@@ -36,7 +36,7 @@ from rl.weights import push_weights
 from rollout.render import ChatRenderer
 from rollout.worker import Task
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +269,7 @@ def report(evals: dict[str, dict[str, EvalResult]], base: str, algo: str, run_di
             f"{100 * (after.success - before.success):+.1f} points, {verdict}"
         )
         summary["rl_beats_base_beyond_intervals"] = separated
-    log.info("\n".join(lines))
+    logger.info("\n".join(lines))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -282,4 +282,4 @@ def _tokenizer(model_dir):
 
 def say(text: str) -> None:
     """A progress line for the console (`[agentrl] text` under the CLI; rl/console.py)."""
-    log.info(text)
+    logger.info(text)

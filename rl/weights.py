@@ -34,7 +34,7 @@ import torch
 from policy.hf import as_bytes, bucketize, checksum, combine, tensor_digest, verified
 from rl.launch import rendezvous
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class WeightPushTimeout(TimeoutError):
@@ -371,7 +371,7 @@ def push_weights(learner, workers, *, timeout_s: float, transport: str = "object
         raise RuntimeError(f"workers report versions {versions} after pushing {manifest.version}")
     seconds = time.perf_counter() - start
     delivered = manifest.nbytes * len(workers)
-    log.debug(
+    logger.debug(
         f"pushed version {manifest.version} ({manifest.nbytes / 2**20:.1f} MiB, "
         f"{len(manifest.buckets)} buckets, {transport}) to {len(workers)} workers "
         f"in {seconds:.3f} s"
