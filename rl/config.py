@@ -265,7 +265,8 @@ class TrainerConfig:
     backward in segments of this many tokens that carry the KDA state and the MLA latents from
     segment to segment, each segment recomputed in the backward (activation checkpointing), so
     memory grows about linearly with the length; same gradient as unsegmented. K3 policies only
-    (the learner raises for other models). 0 = off: one forward over the whole micro-batch."""
+    (the learner raises for other models) and one learner rank (world_size 1). 0 = off: one
+    forward over the whole micro-batch."""
     autocast: Literal["none", "bf16"] = "none"
     """bf16: the learner's forward (and so its backward) under torch.autocast in bfloat16; the
     weights, gradients and optimizer state stay fp32, and K3's KDA recurrence, attention softmax,
@@ -298,6 +299,12 @@ class TrainerConfig:
             _positive(name, getattr(self, name), zero_ok=True)
         _positive("max_grad_norm", self.max_grad_norm)
         _positive("segment_tokens", self.segment_tokens, zero_ok=True)
+        if self.segment_tokens and self.world_size > 1:
+            raise ConfigError(
+                "segment_tokens",
+                "is single-rank for now (world_size 1): ranks would run different numbers of "
+                "segments, and so of FSDP / expert-parallel collectives",
+            )
         if self.autocast not in ("none", "bf16"):
             raise ConfigError("autocast", f"must be none or bf16, got {self.autocast!r}")
         _positive("read_timeout_s", self.read_timeout_s)
