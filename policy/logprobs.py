@@ -23,24 +23,51 @@ def _chunk_stats(hidden_CD, targets_C, head, temperature: float):
 
 
 def decoder_hidden(
-    model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, **moe
+    model,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    *,
+    segment_tokens: int = 0,
+    **moe,
 ) -> torch.Tensor:
     """[B, T-1, D]: the final hidden state at every position that predicts a next token.
     `moe` (MoE policies only): replay_experts / return_routing, passed through to the model;
-    with return_routing the result is (hidden, routed experts [M, B*T, K])."""
-    position_ids_BT = (attention_mask_BT.cumsum(-1) - 1).clamp(min=0)
+    with return_routing the result is (hidden, routed experts [M, B*T, K]).
+    segment_tokens > 0 and T > segment_tokens: the decoder runs in segments of that many tokens
+    with activation checkpointing (policy/k3/segments.py; K3 policies only, ValueError else)."""
     extra = {k: v for k, v in moe.items() if v is not None and v is not False}
-    out = model.get_decoder()(
-        input_ids=input_ids_BT,
-        attention_mask=attention_mask_BT,
-        position_ids=position_ids_BT,
-        use_cache=False,
-        **extra,
-    )
-    hidden_BTD = out.last_hidden_state[:, :-1]
+    if segment_tokens and input_ids_BT.shape[1] > segment_tokens:
+        hidden_BTD, routed = _segmented(
+            model, input_ids_BT, attention_mask_BT, segment_tokens, extra
+        )
+    else:
+        out = model.get_decoder()(
+            input_ids=input_ids_BT,
+            attention_mask=attention_mask_BT,
+            position_ids=(attention_mask_BT.cumsum(-1) - 1).clamp(min=0),
+            use_cache=False,
+            **extra,
+        )
+        hidden_BTD, routed = out.last_hidden_state, getattr(out, "routed_experts", None)
     if extra.get("return_routing"):
-        return hidden_BTD, getattr(out, "routed_experts", None)
-    return hidden_BTD
+        return hidden_BTD[:, :-1], routed
+    return hidden_BTD[:, :-1]
+
+
+def _segmented(model, input_ids_BT, attention_mask_BT, segment_tokens: int, extra: dict):
+    """(hidden [B, T, D], routed experts or None) of a K3 decoder run segment by segment."""
+    from policy.k3.modeling import K3Model
+    from policy.k3.segments import segmented_hidden
+
+    decoder = model.get_decoder()
+    if not isinstance(decoder, K3Model):
+        raise ValueError(
+            f"segment_tokens={segment_tokens} needs a K3 policy (the segments carry K3's KDA "
+            f"state and MLA latents); {type(decoder).__name__} has no such carry: set it to 0"
+        )
+    return segmented_hidden(
+        decoder, input_ids_BT, attention_mask_BT, segment=segment_tokens, **extra
+    )
 
 
 def head_logprobs(
@@ -104,9 +131,10 @@ class TokenLogprobs(torch.nn.Module):
     token. Sharded training wraps this module, not the bare causal LM: calling the decoder and
     the LM head separately would bypass the root's all-gather of the embedding and head."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, *, segment_tokens: int = 0):
         super().__init__()
         self.policy = policy
+        self.segment_tokens = segment_tokens  # decoder_hidden's segments (0 = one forward)
 
     def forward(
         self,
@@ -122,6 +150,7 @@ class TokenLogprobs(torch.nn.Module):
             self.policy,
             input_ids_BT,
             attention_mask_BT,
+            segment_tokens=self.segment_tokens,
             replay_experts=replay_experts,
             return_routing=return_routing,
         )

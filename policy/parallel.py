@@ -368,11 +368,17 @@ class RouterStats:
 
     @contextlib.contextmanager
     def record(self, token_mask: torch.Tensor | None = None) -> Iterator[None]:
-        """Record every router call inside the block; `token_mask` (any shape that flattens to
-        the routers' T tokens, True = counts) drops padding."""
-        mask_T = None if token_mask is None else token_mask.reshape(-1).bool()
+        """Record every router call inside the block; `token_mask` [B, T] (or any shape that
+        flattens to the routers' tokens; True = counts) drops padding. A forward that routes
+        the T positions in several calls along T (segments of S positions, B*S tokens each:
+        policy/k3/segments.py) takes the mask's columns in order, one call after another."""
+        mask_BT = None
+        if token_mask is not None:
+            rows = token_mask.shape[0] if token_mask.dim() > 1 else 1
+            mask_BT = token_mask.bool().reshape(rows, -1)
+        cursors = {name: 0 for name in self.routers}  # mask columns consumed per router
         handles = [
-            router.register_forward_hook(functools.partial(self._observe, name, mask_T))
+            router.register_forward_hook(functools.partial(self._observe, name, mask_BT, cursors))
             for name, router in self.routers.items()
         ]
         try:
@@ -382,10 +388,12 @@ class RouterStats:
                 handle.remove()
 
     @torch.no_grad()
-    def _observe(self, name, mask_T, router, args, routing) -> None:
+    def _observe(self, name, mask_BT, cursors, router, args, routing) -> None:
         scores_TE, indices_TK = routing.scores_TE, routing.indices_TK
-        if mask_T is not None:
-            mask_T = mask_T.to(scores_TE.device)
+        if mask_BT is not None:
+            start, width = cursors[name], scores_TE.shape[0] // mask_BT.shape[0]
+            cursors[name] = start + width
+            mask_T = mask_BT[:, start : start + width].reshape(-1).to(scores_TE.device)
             scores_TE, indices_TK = scores_TE[mask_T], indices_TK[mask_T]
         bias_N = router.e_score_correction_bias
         candidate_N = quantile_balancing_candidate(scores_TE, bias_N, router.top_k).double()

@@ -294,6 +294,17 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 32
     """Trajectories per forward/backward (gradients accumulate to the batch)."""
+    segment_tokens: int = 0
+    """Long trajectories: when > 0, a micro-batch longer than this runs the policy's forward and
+    backward in segments of this many tokens that carry the KDA state and the MLA latents from
+    segment to segment, each segment recomputed in the backward (activation checkpointing), so
+    memory grows about linearly with the length; same gradient as unsegmented. K3 policies only
+    (the learner raises for other models) and one learner rank (world_size 1). 0 = off: one
+    forward over the whole micro-batch."""
+    autocast: Literal["none", "bf16"] = "none"
+    """bf16: the learner's forward (and so its backward) under torch.autocast in bfloat16; the
+    weights, gradients and optimizer state stay fp32, and K3's KDA recurrence, attention softmax,
+    AttnRes and router scores stay fp32. none: the model's own dtype throughout."""
     cpus: float = 1.0
     """Ray CPUs reserved for each learner rank."""
     world_size: int = 1
@@ -321,6 +332,15 @@ class TrainerConfig:
         for name in ("weight_decay", "kl_coef", "entropy_coef", "vf_coef"):
             _positive(name, getattr(self, name), zero_ok=True)
         _positive("max_grad_norm", self.max_grad_norm)
+        _positive("segment_tokens", self.segment_tokens, zero_ok=True)
+        if self.segment_tokens and self.world_size > 1:
+            raise ConfigError(
+                "segment_tokens",
+                "is single-rank for now (world_size 1): ranks would run different numbers of "
+                "segments, and so of FSDP / expert-parallel collectives",
+            )
+        if self.autocast not in ("none", "bf16"):
+            raise ConfigError("autocast", f"must be none or bf16, got {self.autocast!r}")
         _positive("read_timeout_s", self.read_timeout_s)
         _positive("world_size", self.world_size)
         _positive("placement_timeout_s", self.placement_timeout_s)

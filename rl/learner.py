@@ -38,6 +38,7 @@ from rl.learner_stats import (
 )
 from rl.ledger import new_entry, note, sort_groups
 from rl.losses import LossStats, Normalizers, policy_loss, value_loss
+from rl.schema import ConfigError
 from rollout.types import TrajectoryGroup
 
 
@@ -79,7 +80,9 @@ class Learner:
         if cfg.kl_coef > 0:  # kept whole on every rank: its forward needs no collectives
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.model = model.eval()  # eval: no dropout in RL
-        self.trunk = self.shard.prepare_model(TokenLogprobs(self.model))  # sharded from here
+        _check_segments(cfg, model)
+        trunk = TokenLogprobs(self.model, segment_tokens=cfg.segment_tokens)
+        self.trunk = self.shard.prepare_model(trunk)  # sharded from here
         self.value_head = None
         params = list(self.trunk.parameters())
         if self.algo.critic:
@@ -224,13 +227,14 @@ class Learner:
             mb = batch.rows(index)
             width = mb.loss_mask_NT.shape[1]
             select = mb.loss_mask_NT > 0
-            logp, _, hidden, _ = self.trunk(
-                mb.input_ids_NT,
-                mb.attention_mask_NT,
-                self.temperature,
-                select,
-                replay_experts=self._replay(mb),
-            )
+            with self._autocast():
+                logp, _, hidden, _ = self.trunk(
+                    mb.input_ids_NT,
+                    mb.attention_mask_NT,
+                    self.temperature,
+                    select,
+                    replay_experts=self._replay(mb),
+                )
             if not scale:  # an empty piece's stand-in row belongs to another rank
                 continue
             if need_logp:
@@ -238,7 +242,13 @@ class Learner:
             if self.algo.critic:
                 prep.values_NK[index] = self._values(hidden, mb)
             if self.reference is not None:
-                ref_hidden = decoder_hidden(self.reference, mb.input_ids_NT, mb.attention_mask_NT)
+                with self._autocast():
+                    ref_hidden = decoder_hidden(
+                        self.reference,
+                        mb.input_ids_NT,
+                        mb.attention_mask_NT,
+                        segment_tokens=self.cfg.segment_tokens,
+                    )
                 prep.ref_logp_NT[index, :width] = self._logp(self.reference, ref_hidden, mb)
         share_rows(self.shard, prep.learner_logp_NT, prep.values_NK, prep.ref_logp_NT)
         if self.algo.critic:
@@ -270,7 +280,16 @@ class Learner:
 
     def _values(self, hidden_NTD: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
         index_NKD = mb.turn_pos_NK[:, :, None].expand(-1, -1, hidden_NTD.shape[-1])
-        return self.value_head(hidden_NTD.gather(1, index_NKD))[..., 0] * mb.turn_mask_NK
+        hidden_NKD = hidden_NTD.gather(1, index_NKD).to(self.value_head.weight.dtype)
+        return self.value_head(hidden_NKD)[..., 0] * mb.turn_mask_NK
+
+    def _autocast(self):
+        """The trunk's forward under bf16 autocast (`trainer.autocast: bf16`): fp32 weights,
+        gradients and optimizer state; the loss and its backward run outside it."""
+        if self.cfg.autocast != "bf16":
+            return contextlib.nullcontext()
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device, dtype=torch.bfloat16)
 
     def _update(
         self, batch, prep: Prepared, mini: torch.Tensor, is_weight_NT, first_pass: bool
@@ -292,7 +311,7 @@ class Learner:
                 if self.router_stats and first_pass
                 else contextlib.nullcontext()
             )
-            with record:
+            with record, self._autocast():  # the backward runs outside autocast
                 logp, entropy, hidden, routed = self.trunk(
                     mb.input_ids_NT,
                     mb.attention_mask_NT,
@@ -374,6 +393,20 @@ class Learner:
         left to `rl.weights.Publisher`, which hashes while it stores the buckets."""
         weights = self.shard.full_weights(self.trunk)
         return self.version, {k.removeprefix("policy."): v for k, v in weights.items()}, None
+
+
+def _check_segments(cfg: TrainerConfig, model) -> None:
+    """trainer.segment_tokens needs a K3 policy: only its decoder carries state across segments."""
+    if not cfg.segment_tokens:
+        return
+    from policy.k3.modeling import K3Model
+
+    if not isinstance(model.get_decoder(), K3Model):
+        raise ConfigError(
+            "trainer.segment_tokens",
+            f"segmented training needs a K3 policy (KDA state and MLA latents carried between "
+            f"segments); {type(model).__name__} has none: set it to 0",
+        )
 
 
 def _router_stats(model):

@@ -44,7 +44,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from policy.k3.precision import full_precision
 
+
+@full_precision
 def attn_res(
     partial_BTD: Tensor,
     blocks: list[Tensor],

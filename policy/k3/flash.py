@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from policy.k3.precision import full_precision
+
 BLOCK_Q = 256  # query rows per block
 BLOCK_K = 512  # keys per block; one block of scores is B * H * BLOCK_Q * BLOCK_K values
 
@@ -102,6 +104,7 @@ def _scores(shape, q_BIHK, k_BSX, key_mask_BS, t0, t1, s0, s1, scale, acc) -> Te
     return s_BIHJ
 
 
+@full_precision
 def _forward(q_BTHK, k_BSX, v_BSX, key_mask_BS, scale, shape: _Shape):
     """-> (o [B, T, H, V] in q's dtype, lse [B, T, H] in acc dtype; +inf for rows seeing no
     key, so that the recomputed probabilities of those rows are 0 in the backward)."""
@@ -130,6 +133,7 @@ def _forward(q_BTHK, k_BSX, v_BSX, key_mask_BS, scale, shape: _Shape):
     return o_BTHV, lse_BTH
 
 
+@full_precision
 def _backward(q_BTHK, k_BSX, v_BSX, key_mask_BS, scale, shape, o_BTHV, lse_BTH, do_BTHV):
     """Recomputing backward -> (dq, dk, dv) in the dtypes of q, k, v."""
     acc = lse_BTH.dtype

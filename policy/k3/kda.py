@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from policy.k3.precision import full_precision
+
 # ---------------------------------------------------------------------------------------------
 # Gates, norms and the short convolution
 
@@ -105,6 +107,7 @@ def _initial_state(initial_state, v_BTHV, key_dim):
     return initial_state.to(v_BTHV.dtype)
 
 
+@full_precision
 def kda_recurrent(
     q: Tensor,
     k: Tensor,
@@ -255,6 +258,7 @@ def _state_scan(S_BHKV, w_NBHCK, u_NBHCV, kd_NBHCK, decay_NBHK):
     return torch.stack(states, dim=2), torch.stack(vnews, dim=2), S_BHKV
 
 
+@full_precision
 def kda_chunked(
     q: Tensor,
     k: Tensor,

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from policy.k3.flash import BLOCK_K, BLOCK_Q, flash_attention
+from policy.k3.precision import full_precision
 
 
 @dataclass
@@ -207,6 +208,7 @@ class GatedMLA(nn.Module):
         return self.o_proj(o_BTHV.flatten(-2)), cache
 
 
+@full_precision
 def _masked_softmax(scores_BHTS: Tensor, allowed_BTS: Tensor) -> Tensor:
     """Softmax over keys in (at least) fp32.
 

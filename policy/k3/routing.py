@@ -24,6 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from policy.k3.precision import full_precision
+
 SCORE_FUNCS = ("sigmoid", "softmax")
 
 
@@ -35,6 +37,7 @@ class Routing(NamedTuple):
     scores_TE: torch.Tensor  # dense pre-top-k scores (differentiable), for metrics and QB
 
 
+@full_precision
 def router_scores(x_TD: torch.Tensor, weight_ED: torch.Tensor, score_func: str) -> torch.Tensor:
     """Dense scores in at least float32 (float64 stays float64)."""
     cd = torch.promote_types(torch.promote_types(x_TD.dtype, weight_ED.dtype), torch.float32)

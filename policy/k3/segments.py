@@ -1,0 +1,175 @@
+"""K3's decoder over a long sequence in segments, for training on long trajectories.
+
+`segmented_hidden` gives the same final hidden states as one `K3Model.forward` over [B, T] (and,
+through autograd, the same gradients), but runs the decoder over T in segments of `segment`
+tokens. Between segments only the token-mixing state crosses the boundary (the carry):
+
+    KDA layer i:  the delta-rule state [B, HV, K, V] and the short-conv tails (KDACache)
+    MLA layer i:  the latents [B, T_s, L] of every earlier segment, one chunk per segment
+                  (kept as a tuple of chunks, never re-concatenated into a growing copy)
+    shared:       the key mask chunks [B, T_s] of the earlier segments
+
+Everything else is per token: AttnRes mixes sources over depth at one position only, the MoE
+routes each token alone, the norms are per position. Routing replay is sliced per segment.
+
+With gradients enabled each segment is one activation checkpoint (non-reentrant): after the
+forward only the segment boundaries stay alive (the carry above, the segment's input ids and
+mask, its output hidden states), and the backward recomputes one segment at a time. Peak memory
+is about one segment's activations plus O(T) for the latents and hidden states, instead of all
+T positions' activations. Segment s's recomputation concatenates the earlier latent chunks for
+its attention (a transient O(T) per MLA layer).
+
+Left padding works as in the unsegmented forward: each segment gets its slice of the attention
+mask; its MLA queries sit at positions past .. past + S - 1 over all earlier keys, whose key mask
+marks the padding; masked tokens do not touch the KDA state or conv window.
+
+Letters: B batch, T tokens, S tokens of one segment, D hidden size, L MLA latent width,
+M MoE layers, K experts per token.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from policy.k3.kda import KDACache
+from policy.k3.mla import MLACache
+
+
+class _Latents:
+    """Duck-types MLACache's `length` / `append` for GatedMLA: the earlier chunks plus this
+    segment's latent; records the new chunk on the owning _SegmentCache."""
+
+    def __init__(self, owner: _SegmentCache, layer: int) -> None:
+        self.owner, self.layer = owner, layer
+
+    @property
+    def length(self) -> int:
+        return sum(chunk.shape[1] for chunk in self.owner.masks_in)
+
+    def append(self, latent_BSL: Tensor, mask_BS: Tensor | None = None) -> MLACache:
+        del mask_BS  # the segment's mask was recorded by `begin` (shared by all MLA layers)
+        self.owner.latents_out[self.layer] = latent_BSL
+        chunks = (*self.owner.latents_in[self.layer], latent_BSL)
+        masks = (*self.owner.masks_in, self.owner.mask_out)
+        return MLACache(torch.cat(chunks, dim=1), torch.cat(masks, dim=1))
+
+
+class _SegmentCache:
+    """Duck-types K3Cache for one K3Model.forward over one segment, functionally: it reads the
+    carry of the earlier segments and records this segment's additions (nothing in place, so
+    a checkpoint's recomputation sees exactly the same inputs)."""
+
+    def __init__(self, kda_in, latents_in, masks_in) -> None:
+        self.kda_in: tuple[KDACache | None, ...] = kda_in
+        self.latents_in: tuple[tuple[Tensor, ...] | None, ...] = latents_in
+        self.masks_in: tuple[Tensor, ...] = masks_in
+        self.kda_out: list[KDACache | None] = [None] * len(kda_in)
+        self.latents_out: list[Tensor | None] = [None] * len(kda_in)
+        self.mask_out: Tensor | None = None
+
+    def begin(self, mask_BS: Tensor | None, length: int) -> None:
+        assert mask_BS is not None and mask_BS.shape[1] == length, "pass the segment's mask"
+        self.mask_out = mask_BS.bool()
+
+    def commit(self, length: int) -> None:
+        del length
+
+    def kda(self, layer: int) -> KDACache | None:
+        return self.kda_in[layer]
+
+    def set_kda(self, layer: int, new: KDACache) -> None:
+        """Record the layer's new state; the conv tails are views of the segment's whole conv
+        input [B, X, S + W-1], so they are copied (the carry must not keep that alive)."""
+        tails = (new.conv_q.clone(), new.conv_k.clone(), new.conv_v.clone())
+        self.kda_out[layer] = KDACache(*tails, new.state)
+
+    def mla(self, layer: int) -> _Latents:
+        return _Latents(self, layer)
+
+
+def _segment(decoder, ids_BS, mask_BS, kda_in, latents_in, masks_in, replay, routing: bool):
+    """One segment through the decoder -> (hidden [B, S, D], KDA carry, latent chunks, mask
+    chunk [B, S], routed experts [M, B*S, K] or None)."""
+    cache = _SegmentCache(kda_in, latents_in, masks_in)
+    out = decoder(
+        ids_BS,
+        attention_mask=mask_BS,
+        cache=cache,
+        replay_experts=replay,
+        return_routing=routing,
+    )
+    return (
+        out.last_hidden_state,
+        tuple(cache.kda_out),
+        cache.latents_out,
+        cache.mask_out,
+        out.routed_experts,
+    )
+
+
+def _replay_slice(replay_experts, batch: int, length: int, t0: int, t1: int):
+    """Per MoE layer, the replayed experts of positions t0..t1-1 as [B, t1 - t0, K]."""
+    if replay_experts is None:
+        return None
+    return [r.reshape(batch, length, r.shape[-1])[:, t0:t1] for r in replay_experts]
+
+
+def segmented_hidden(
+    decoder,
+    input_ids_BT: Tensor,
+    attention_mask_BT: Tensor | None,
+    *,
+    segment: int,
+    replay_experts: Tensor | Sequence[Tensor] | None = None,
+    return_routing: bool = False,
+    recompute: bool | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """A K3Model (`decoder`) over [B, T] in segments of `segment` tokens.
+
+    Returns (last hidden state [B, T, D], routed experts [M, B*T, K] when return_routing, in
+    K3Model's b-major token order, else None). replay_experts: per MoE layer [B, T, K] or
+    [B*T, K] (or one [M, B*T, K] tensor). recompute: checkpoint each segment (None: when
+    gradients are enabled).
+    """
+    if segment <= 0:
+        raise ValueError(f"segment must be a positive number of tokens, got {segment}")
+    batch, length = input_ids_BT.shape
+    if attention_mask_BT is None:
+        attention_mask_BT = torch.ones_like(input_ids_BT)
+    attention_mask_BT = attention_mask_BT[:, -length:]
+    if recompute is None:
+        recompute = torch.is_grad_enabled()
+    run = functools.partial(checkpoint, _segment, use_reentrant=False) if recompute else _segment
+    num_layers = len(decoder.layers)
+    kda: tuple = (None,) * num_layers
+    latents: tuple = tuple(None if layer.is_kda else () for layer in decoder.layers)
+    masks: tuple[Tensor, ...] = ()
+    hiddens, routed = [], []
+    for t0 in range(0, length, segment):
+        t1 = min(t0 + segment, length)
+        args = (
+            decoder,
+            input_ids_BT[:, t0:t1],
+            attention_mask_BT[:, t0:t1],
+            kda,
+            latents,
+            masks,
+            _replay_slice(replay_experts, batch, length, t0, t1),
+            return_routing,
+        )
+        hidden_BSD, kda, new_latents, mask_BS, routed_MXK = run(*args)
+        latents = tuple(
+            None if old is None else (*old, new)
+            for old, new in zip(latents, new_latents, strict=True)
+        )
+        masks = (*masks, mask_BS)
+        hiddens.append(hidden_BSD)
+        if routed_MXK is not None:
+            routed.append(routed_MXK.unflatten(1, (batch, t1 - t0)))
+    routed_MXK = torch.cat(routed, dim=2).flatten(1, 2) if routed else None
+    return torch.cat(hiddens, dim=1), routed_MXK
