@@ -61,12 +61,12 @@ def serve_worker(host, params: SamplingParams) -> None:
 def _killer(host, groups: int):
     """Fault injection for the worker-crash test: AGENTRL_FAULT_KILL_WORKER=<index>:<groups>
     SIGKILLs worker <index> (its first incarnation) once it has finished <groups> groups and
-    holds a saved, unfinished episode (so the crash is mid-episode)."""
+    holds an unfinished episode saved to Redis (so the crash is mid-episode): it saves its live
+    episodes first, as a turn boundary or a spent token budget would, whether or not one came."""
 
     def stop() -> bool:
         r = host.rollouts
-        done = r.produced_groups >= groups
-        if done and any(g.saved_turns for g in r.groups.values()):
+        if r.produced_groups >= groups and r.save_live():
             os.kill(os.getpid(), signal.SIGKILL)
         return host.stop_event.is_set()
 

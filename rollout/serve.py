@@ -103,7 +103,7 @@ class AsyncRollouts:
         if budget is None or self.loop.generated - self.budget_start < budget:
             return False
         if not self.paused:  # spent: save every live episode, then wait for a newer version
-            self._save(list(self.loop.live.values()))
+            self.save_live()
             self.paused = True
         return True
 
@@ -168,9 +168,12 @@ class AsyncRollouts:
         for group_id, saved in by_group.items():
             self.queue.save_episodes(group_id, saved)
 
-    def _save(self, episodes: list[Episode]) -> None:
+    def save_live(self) -> int:
+        """Save every live episode whose env is idle to Redis, as it is now (its tokens, versions,
+        logprobs, routes and env state); one waiting on a tool keeps its last saved turn. Returns
+        how many were saved."""
         by_group: dict[str, dict[int, bytes]] = {}
-        for episode in episodes:
+        for episode in list(self.loop.live.values()):
             if episode.tool is not None or episode.done:
                 continue  # its env is busy: the last saved turn stands
             group_id, _, index = episode.key.rpartition("/")
@@ -178,6 +181,7 @@ class AsyncRollouts:
             self.groups[group_id].saved_turns[int(index)] = episode.traj.num_turns
         for group_id, saved in by_group.items():
             self.queue.save_episodes(group_id, saved)
+        return sum(len(saved) for saved in by_group.values())
 
     def _complete_groups(self) -> None:
         for group_id in [g for g, v in self.groups.items() if len(v.done) == self.opt.group_size]:
