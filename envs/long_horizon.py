@@ -52,17 +52,15 @@ from typing import Any
 
 import numpy as np
 
+from envs import retrieval
 from envs.base import ToolEnv
 from envs.tools import MAX_RESULT_CHARS, ToolError, tool
 from envs.types import Message, Outcome, assistant, tool_call, user
 
+# the name parts of Retrieval-v0, shared so the two worlds read alike
+SYL, FIRST = retrieval.SYL, retrieval.FIRST
+COMPANY_SUFFIX, CITY_SUFFIX = retrieval.COMPANY, retrieval.CITY
 # fmt: off
-SYL = ("ka", "ro", "vel", "mi", "tan", "sor", "be", "lu", "dar", "nis", "fen", "qo", "ri", "zal",
-    "mo", "che", "pra", "tu", "vin", "el", "os", "gar", "hu", "ly")
-FIRST = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo", "Kofi",
-    "Lena", "Mara", "Nils", "Omar", "Pia")
-COMPANY_SUFFIX = ("Works", "Labs", "Group", "Systems", "Foods", "Motors")
-CITY_SUFFIX = ("ford", "ton", "ville", "burg", "port", "mouth")
 THEMES = ("Letters", "Ledger", "Minutes of the council", "Diary", "Chronicle", "Travel notes",
     "Court records", "Newspaper clippings", "Trade register", "Parish records")
 # fmt: on
