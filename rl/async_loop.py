@@ -86,6 +86,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
     serving = [w.serve.remote(sampling(cfg.rollout, renderer)) for w in workers]
     detector = CollapseDetector(window=cfg.metrics.collapse_window, drop=cfg.metrics.collapse_drop)
     bar = tqdm(total=t.steps, initial=state.step, desc=f"{t.algorithm.upper()} async", unit="step")
+    late: list = []  # workers' counters that did not answer in time: read at the next step
     try:
         for step in range(state.step + 1, t.steps + 1):
             start, alarm = time.perf_counter(), None
@@ -103,7 +104,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             feeder.top_up(version=step)
             metrics.update(push_metrics(push))
             seconds = time.perf_counter() - start
-            metrics.update(_worker_metrics(workers, seconds))
+            metrics.update(_worker_metrics(workers, seconds, late))
             if "rollout/success_rate" in metrics:
                 alarm = detector.update(metrics["rollout/success_rate"])
             metrics["step/seconds"] = seconds
@@ -143,10 +144,12 @@ def _learner_step(learner, serving: list) -> dict:
         _check_serving(serving)
 
 
-def _worker_metrics(workers, seconds: float) -> dict[str, float]:
-    """The workers' counters since the last step (a restarting worker is skipped this time)."""
-    refs = [w.drain.remote() for w in workers]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+def _worker_metrics(workers, seconds: float, late: list) -> dict[str, float]:
+    """The workers' counters since the last step. A worker that does not answer within 10 s
+    (busy, or restarting) is read at a later step: its drained counters are never dropped."""
+    refs = [*late, *(w.drain.remote() for w in workers)]
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=10)
+    late[:] = pending
     stats = []
     for ref in ready:
         try:

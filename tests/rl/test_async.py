@@ -74,7 +74,9 @@ def unfinished_saved(client: redis.Redis) -> int:
 
 def kill_when_saved_mid_episode(proc: subprocess.Popen, tmp: Path, timeout: float = 300) -> Path:
     """SIGKILL the whole job at a random moment after the first checkpoint, while at least one
-    unfinished episode is saved in Redis."""
+    unfinished episode is saved in Redis. Everyone but Redis is frozen (SIGSTOP) while Redis is
+    read again, so the episode seen saved is still saved when the job dies (a worker could
+    otherwise finish its group in between)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         runs = list(tmp.glob("e2e-*"))
@@ -83,21 +85,46 @@ def kill_when_saved_mid_episode(proc: subprocess.Popen, tmp: Path, timeout: floa
             try:
                 if client is not None and unfinished_saved(client):
                     time.sleep(random.uniform(0, 0.2))
-                    everyone = descendants(proc.pid) | {proc.pid}
-                    for pid in everyone:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
-                    proc.wait(timeout=30)
-                    deadline = time.monotonic() + 30
-                    while alive(everyone) and time.monotonic() < deadline:
-                        time.sleep(0.1)
-                    return runs[0]
+                    if kill_if_still_saved(proc, client):
+                        return runs[0]
             except redis.RedisError:
                 pass
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.02)
     proc.kill()
     raise AssertionError("no unfinished episode was ever saved")
+
+
+def kill_if_still_saved(proc: subprocess.Popen, client: redis.Redis) -> bool:
+    everyone = descendants(proc.pid) | {proc.pid}
+    frozen = {pid for pid in everyone if _comm(pid) != "redis-server"}
+    _signal(frozen, signal.SIGSTOP)
+    try:
+        still = unfinished_saved(client)
+    except redis.RedisError:
+        still = 0
+    if not still:
+        _signal(frozen, signal.SIGCONT)
+        return False
+    _signal(everyone, signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while alive(everyone) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return True
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _signal(pids: set[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def account(run_dir: Path) -> dict:
