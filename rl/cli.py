@@ -4,6 +4,7 @@ agentrl train configs/quickstart.yaml [section.key=value ...]
 agentrl train --resume runs/quickstart-YYYYmmdd-HHMMSS [section.key=value ...]
 agentrl check configs/quickstart.yaml [section.key=value ...]   # validate only
 agentrl plot runs/quickstart-YYYYmmdd-HHMMSS
+agentrl monitor runs/quickstart-YYYYmmdd-HHMMSS      # or: --redis URL --run NAME
 agentrl envs list
 agentrl envs check agentrl/Calculator-v0 [difficulty=2 ...]
 """
@@ -89,6 +90,37 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_monitor(args) -> int:
+    import redis
+    import yaml
+
+    from rl.monitor import JsonlSource, MonitorState, RedisSource, run_monitor
+
+    if args.redis:
+        if not args.run:
+            raise ConfigError("--run", "name the run to follow, e.g. --run quickstart-2026...")
+        source = RedisSource(redis.Redis.from_url(args.redis), args.run)
+        state, finished = MonitorState(stall_after_s=args.stall_after), lambda: False
+    elif args.run_dir:
+        run_dir = Path(args.run_dir)
+        if not (run_dir / "config.yaml").exists():
+            raise ConfigError("RUN_DIR", f"{run_dir} is not a run directory (no config.yaml)")
+        raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        metrics = raw.get("metrics") or {}
+        state = MonitorState(
+            total_steps=(raw.get("trainer") or {}).get("steps"),
+            collapse_window=metrics.get("collapse_window", 10),
+            collapse_drop=metrics.get("collapse_drop", 0.2),
+            stall_after_s=args.stall_after,
+        )
+        source = JsonlSource(run_dir / "metrics.jsonl")
+        finished = (run_dir / "summary.json").exists
+    else:
+        raise ConfigError("", "name a run directory, or --redis URL --run NAME")
+    run_monitor(source, state, finished=finished, once=args.once)
+    return 0
+
+
 def cmd_envs(args) -> int:
     from envs.check import check_tool_env, list_envs
     from rl.config import parse_overrides
@@ -140,6 +172,15 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plot", help="draw a run's reward curve", parents=[common])
     sp.add_argument("run_dir")
     sp.set_defaults(fn=cmd_plot)
+    sp = sub.add_parser("monitor", help="follow a run's metrics live", parents=[common])
+    sp.add_argument("run_dir", nargs="?", help="a run directory (live or finished)")
+    sp.add_argument("--redis", metavar="URL", help="read the metrics stream from this Redis")
+    sp.add_argument("--run", metavar="NAME", help="the run's name (its directory's name)")
+    sp.add_argument("--once", action="store_true", help="print every panel once and exit")
+    sp.add_argument(
+        "--stall-after", type=float, default=120.0, help="alarm after this many silent seconds"
+    )
+    sp.set_defaults(fn=cmd_monitor)
     sp = sub.add_parser("envs", help="tool environments: list them, or check one", parents=[common])
     sp.add_argument("action", choices=["list", "check"])
     sp.add_argument("env_id", nargs="?", help="env id to check, e.g. agentrl/Calculator-v0")
