@@ -3,6 +3,7 @@
 agentrl train configs/quickstart.yaml [section.key=value ...]
 agentrl train --resume runs/quickstart-YYYYmmdd-HHMMSS [section.key=value ...]
 agentrl check configs/quickstart.yaml [section.key=value ...]   # validate only
+agentrl config schema [--output agentrl.schema.json]             # JSON Schema of a run file
 agentrl plot runs/quickstart-YYYYmmdd-HHMMSS
 agentrl monitor runs/quickstart-YYYYmmdd-HHMMSS      # or: --redis URL --run NAME
 agentrl envs list
@@ -12,12 +13,12 @@ agentrl envs check agentrl/Calculator-v0 [difficulty=2 ...]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
-from rl.config import RunConfig, load_config
-from rl.schema import ConfigError
+from rl.config import ConfigError, RunConfig, load_config, run_file_schema
 
 
 def _check_env(cfg: RunConfig) -> None:
@@ -80,6 +81,16 @@ def cmd_train(args) -> int:
 def cmd_check(args) -> int:
     load(args)
     print("config ok")
+    return 0
+
+
+def cmd_config(args) -> int:
+    text = json.dumps(run_file_schema(), indent=2) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote the JSON Schema of a run file to {args.output}")
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -169,6 +180,10 @@ def parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="exit 3 unless RL beats the warm start beyond the 95%% intervals",
             )
+    sp = sub.add_parser("config", help="the run-file format, for editors", parents=[common])
+    sp.add_argument("action", choices=["schema"], help="schema: print its JSON Schema")
+    sp.add_argument("--output", metavar="PATH", help="write the schema to PATH instead")
+    sp.set_defaults(fn=cmd_config)
     sp = sub.add_parser("plot", help="draw a run's reward curve", parents=[common])
     sp.add_argument("run_dir")
     sp.set_defaults(fn=cmd_plot)

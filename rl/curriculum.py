@@ -15,7 +15,6 @@ last (longest) stage, so the two evaluations compare like with like.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from rl.config import RunConfig
@@ -39,14 +38,15 @@ def staged(cfg: RunConfig, index: int | None) -> RunConfig:
     if index is None:
         return cfg
     stage = cfg.curriculum[index]
-    rollout = dataclasses.replace(
-        cfg.rollout,
-        max_seq_len=stage.max_seq_len,
-        max_turns=stage.max_turns or cfg.rollout.max_turns,
-        max_new_tokens=stage.max_new_tokens or cfg.rollout.max_new_tokens,
-    )
-    env = dataclasses.replace(cfg.env, kwargs={**cfg.env.kwargs, **stage.env_kwargs})
-    return dataclasses.replace(cfg, rollout=rollout, env=env)
+    rollout = cfg.rollout.model_copy(
+        update={
+            "max_seq_len": stage.max_seq_len,
+            "max_turns": stage.max_turns or cfg.rollout.max_turns,
+            "max_new_tokens": stage.max_new_tokens or cfg.rollout.max_new_tokens,
+        }
+    )  # model_copy does not validate again: load_config checked every stage against the run
+    env = cfg.env.model_copy(update={"kwargs": {**cfg.env.kwargs, **stage.env_kwargs}})
+    return cfg.model_copy(update={"rollout": rollout, "env": env})
 
 
 def describe(cfg: RunConfig, index: int) -> str:

@@ -24,7 +24,7 @@ from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
 from rl.advantages import gae
 from rl.algorithms import algorithm_for
 from rl.batch import TrainBatch, pack, spread_turn_values
-from rl.config import TrainerConfig
+from rl.config import ConfigError, TrainerConfig
 from rl.distributed import Shard
 from rl.learner_stats import (
     average,
@@ -38,7 +38,6 @@ from rl.learner_stats import (
 )
 from rl.ledger import new_entry, note, sort_groups
 from rl.losses import LossStats, Normalizers, policy_loss, value_loss
-from rl.schema import ConfigError
 from rollout.types import TrajectoryGroup
 
 

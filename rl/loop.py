@@ -31,7 +31,6 @@ from rl.metrics import (
     rollout_metrics,
 )
 from rl.runstate import RunState, load_latest, save_checkpoint, truncate_metrics, worker_seed
-from rl.schema import to_dict
 from rl.weights import push_weights
 from rollout.render import ChatRenderer
 from rollout.worker import Task
@@ -55,7 +54,7 @@ def make_run_dir(cfg: RunConfig) -> Path:
         suffix += 1
         run_dir = Path(cfg.output_dir) / f"{cfg.name}-{stamp}-{suffix}"
     run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     return run_dir
 
 

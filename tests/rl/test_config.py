@@ -1,15 +1,18 @@
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
+import yaml
 
-from rl.config import load_config
-from rl.schema import ConfigError
+from rl.cli import parser
+from rl.config import ConfigError, RunConfig, TrainerConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,3 +107,55 @@ def test_cli_rejects_an_unknown_env_id():
         timeout=60,
     )
     assert proc.returncode == 2 and "env.id: no environment 'agentrl/Nope-v0'" in proc.stderr
+
+
+def test_several_errors_are_reported_together_first_one_as_the_key():
+    err = error_for("trainer.lrr=1e-3", "rollout.top_p=1.5")
+    assert err.key == "rollout.top_p" and "must be <= 1" in err.message
+    assert "\ntrainer.lrr: unknown key; did you mean 'lr'?" in str(err)
+
+
+def test_sections_built_in_python_raise_config_errors_too(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        TrainerConfig(lrr=1e-3)
+    assert info.value.key == "lrr" and "did you mean 'lr'" in info.value.message
+    err = error_for(text="curriculum:\n  - {name: a, steps: 0}\n", tmp_path=tmp_path)
+    assert err.key == "curriculum[0].steps" and "curriculum[0].max_seq_len: is required" in str(err)
+
+
+def test_the_resolved_config_in_a_run_dir_loads_back_the_same(tmp_path):
+    cfg = load_config(ROOT / "configs/long_context.yaml", ["trainer.tis_cap=2.0"])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    again = load_config(path)
+    assert again == cfg and again.trainer.off_policy == "decoupled"
+
+
+def test_the_exported_json_schema_accepts_every_shipped_run_file(tmp_path, capsys):
+    def cli(*argv: str) -> int:  # `agentrl config schema ...` without main's logging setup
+        args = parser().parse_args(argv)
+        return args.fn(args)
+
+    assert cli("config", "schema") == 0
+    schema = json.loads(capsys.readouterr().out)
+    out = tmp_path / "agentrl.schema.json"
+    assert cli("config", "schema", "--output", str(out)) == 0
+    assert json.loads(out.read_text()) == schema
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    files = sorted((ROOT / "configs").glob("*.yaml"))
+    assert len(files) >= 5
+    for path in files:
+        data = yaml.safe_load(path.read_text())
+        assert not list(validator.iter_errors(data)), path.name
+        load_config(path)  # and the loader agrees
+    data = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    for section, key, value in [
+        ("trainer", "stpes", 4),  # a typo
+        ("trainer", "algorithm", "ppo2"),
+        ("rollout", "top_p", 1.5),
+        ("trainer", "steps", "many"),
+    ]:
+        bad = {**data, section: {**data[section], key: value}}
+        assert not validator.is_valid(bad), (section, key, value)
+    assert RunConfig.model_json_schema()["additionalProperties"] is False

@@ -10,9 +10,8 @@ import math
 import pytest
 import torch
 
-from rl.config import TrainerConfig
+from rl.config import ConfigError, TrainerConfig
 from rl.learner import Learner
-from rl.schema import ConfigError
 from tests.policy.k3.test_engine import make_model
 from tests.rl.test_learner import ListSource
 from tests.rl.test_routing_replay import rollouts

@@ -12,11 +12,10 @@ import torch
 from policy.hf import checksum, export_weights
 from policy.logprobs import token_logprobs
 from rl.batch import pack
-from rl.config import TrainerConfig, load_config
+from rl.config import ConfigError, TrainerConfig, load_config
 from rl.learner import Learner
 from rl.learner_stats import length_metrics, mini_batches, staleness_metrics
 from rl.losses import LossSpec, Normalizers, policy_loss
-from rl.schema import ConfigError
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 from tests.rl.test_learner import ListSource, make_group
 
