@@ -13,6 +13,7 @@ from envs.base import ToolEnv
 from envs.expert import Demonstration, Expert, demonstrate
 from envs.registry import (
     RegistrationError,
+    check_kwargs,
     ensure_registered,
     env_class,
     env_ids,
@@ -33,6 +34,7 @@ __all__ = [
     "ToolEnv",
     "ToolError",
     "Toolbox",
+    "check_kwargs",
     "demonstrate",
     "ensure_registered",
     "env_class",

@@ -15,8 +15,10 @@ string), so `make_expert(env_id)` works however the env was registered.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
+import inspect
 import os
 import re
 import sys
@@ -31,7 +33,12 @@ _ENTRY_POINT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 class RegistrationError(ValueError):
-    """An env id or entry point that cannot be used (the message says why and what to do)."""
+    """An env id or entry point that cannot be used (the message says why and what to do);
+    `key`: the env kwarg at fault, when one is."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 def load_object(entry_point: str) -> Any:
@@ -43,20 +50,69 @@ def load_object(entry_point: str) -> Any:
         )
     module_name, _, attr = entry_point.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        cwd = os.getcwd()
-        top = module_name.split(".")[0]
-        if exc.name != top or cwd in sys.path or not _in_cwd(top, cwd):
-            raise RegistrationError(f"cannot import {module_name!r}: {exc}") from None
-        sys.path.append(cwd)
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
+    except Exception as exc:  # a typo, a missing dependency, or a bug in the module itself
+        raise RegistrationError(
+            f"cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from None
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
             raise RegistrationError(f"{module_name!r} has no attribute {attr!r}")
         target = getattr(target, part)
     return target
+
+
+def _import(module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        cwd = os.getcwd()
+        top = module_name.split(".")[0]
+        if exc.name != top or cwd in sys.path or not _in_cwd(top, cwd):
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(module_name)
+
+
+def check_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
+    """Import the class registered under `env_id` and bind `kwargs` (over the registered
+    defaults) to its constructor, as `gymnasium.make` would, without building the env. Raises
+    RegistrationError naming the kwarg at fault (an unknown one, with the closest name)."""
+    spec = gymnasium.registry.get(env_id)
+    if spec is None:
+        raise RegistrationError(f"no environment {env_id!r} is registered; known: {env_ids()}")
+    target = _target(spec.entry_point)  # a class or a factory function
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
+        return
+    merged = {**(spec.kwargs or {}), **kwargs}
+    params = signature.parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in merged:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise RegistrationError(
+                f"{env_id} ({_name(target)}) takes no argument {key!r}; {hint}"
+                f"it takes: {', '.join(names) or 'none'}",
+                key=key,
+            )
+    try:
+        signature.bind(**merged)
+    except TypeError as exc:
+        raise RegistrationError(f"{env_id} ({_name(target)}): {exc}") from None
+
+
+def _target(entry: Any) -> Any:
+    return load_object(entry) if isinstance(entry, str) else entry
+
+
+def _name(target: Any) -> str:
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', target)}"
 
 
 def _in_cwd(top: str, cwd: str) -> bool:
@@ -151,8 +207,7 @@ def env_class(env_id: str) -> type:
     """The class behind a registered id (imports its module)."""
     if env_id not in gymnasium.registry:
         raise RegistrationError(f"no environment {env_id!r} is registered; known: {env_ids()}")
-    entry = gymnasium.registry[env_id].entry_point
-    target = load_object(entry) if isinstance(entry, str) else entry
+    target = _target(gymnasium.registry[env_id].entry_point)
     if not isinstance(target, type):
         raise RegistrationError(f"{env_id!r} is made by {target!r}, not by a class")
     return target

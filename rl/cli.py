@@ -29,6 +29,14 @@ def _check_env(cfg: RunConfig) -> None:
     except envs.RegistrationError as exc:
         key = "env.entry_point" if cfg.env.entry_point else "env.id"
         raise ConfigError(key, str(exc)) from None
+    stages = [("env.kwargs", {})] + [
+        (f"curriculum.{i}.env_kwargs", stage.env_kwargs) for i, stage in enumerate(cfg.curriculum)
+    ]
+    for where, extra in stages:  # the env's class imports and takes the kwargs (nothing built)
+        try:
+            envs.check_kwargs(cfg.env.id, {**cfg.env.kwargs, **extra})
+        except envs.RegistrationError as exc:
+            raise ConfigError(f"{where}.{exc.key}" if exc.key else where, str(exc)) from None
     if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():
         raise ConfigError("policy.path", f"{cfg.policy.path!r} is not a directory")
 

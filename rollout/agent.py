@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from policy.sampling import SamplingParams
-from rollout.episode import EpisodeLimits
+from rollout.episode import EpisodeLimits, open_episode
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Trajectory
 
@@ -92,12 +92,12 @@ class Episode:
 
 
 def start_episode(env, seed: int, key: str, task_id: str, renderer: ChatRenderer) -> Episode:
-    """Reset `env` and render the opening prompt (fed to the session on the next tick)."""
-    observation, info = env.reset(seed=seed)
-    traj = Trajectory(task_id=task_id, messages=copy.deepcopy(observation))
-    traj.append(renderer.prompt(observation, info.get("tools", [])), sampled=False)
-    traj.prompt_length = len(traj.token_ids)
-    return Episode(key=key, env=env, traj=traj, tools=info.get("tools", []), feed=traj.token_ids[:])
+    """Reset `env` and render the opening prompt (fed to the session on the next tick). A reset
+    that raises gives an episode already finished as an env error, whose env is not reused."""
+    traj, tools = open_episode(env, seed, task_id, renderer)
+    if traj.status is RolloutStatus.ENV_ERROR:
+        return Episode(key=key, env=env, traj=traj, done=True, env_broken=True)
+    return Episode(key=key, env=env, traj=traj, tools=tools, feed=traj.token_ids[:])
 
 
 class AgentLoop:

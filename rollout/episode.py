@@ -75,13 +75,30 @@ def run_episodes(
     return [e.traj for e in episodes]
 
 
-def _start(env, seed: int, task_id: str, renderer: ChatRenderer) -> _Episode:
-    observation, info = env.reset(seed=seed)
+def open_episode(
+    env, seed: int, task_id: str, renderer: ChatRenderer
+) -> tuple[Trajectory, list[dict]]:
+    """Reset `env` and render the opening prompt: the trajectory so far and the tools. A reset
+    that raises is an env error of this episode (finished, never trained on), not of the worker."""
+    try:
+        observation, info = env.reset(seed=seed)
+    except Exception as exc:
+        traj = Trajectory(task_id=task_id, messages=[])
+        traj.status, traj.finish_detail = (
+            RolloutStatus.ENV_ERROR,
+            f"reset raised {type(exc).__name__}: {exc}",
+        )
+        return traj, []
     tools = info.get("tools", [])
     traj = Trajectory(task_id=task_id, messages=copy.deepcopy(observation))
     traj.append(renderer.prompt(observation, tools), sampled=False)
     traj.prompt_length = len(traj.token_ids)
-    return _Episode(env=env, traj=traj, tools=tools)
+    return traj, tools
+
+
+def _start(env, seed: int, task_id: str, renderer: ChatRenderer) -> _Episode:
+    traj, tools = open_episode(env, seed, task_id, renderer)
+    return _Episode(env=env, traj=traj, tools=tools, done=traj.status is RolloutStatus.ENV_ERROR)
 
 
 def _advance(episode: _Episode, completion: Completion, version: int, renderer) -> None:

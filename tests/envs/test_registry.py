@@ -99,7 +99,8 @@ def test_an_installed_package_entry_point(clean, tmp_path):
     )
     sys.path.insert(0, str(tmp_path))
     with pytest.warns(UserWarning, match="acme/Bad-v0"):
-        assert register_plugins() == ["acme/Echo-v0"]
+        ids = register_plugins()  # a user's own plugins may be installed too
+    assert "acme/Echo-v0" in ids and "acme/Bad-v0" not in ids
     assert "acme_envs.echo" not in sys.modules  # registered lazily
     assert "acme/Echo-v0" in envs.env_ids()
     assert "package acme-envs" in list_envs()

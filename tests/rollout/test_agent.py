@@ -204,3 +204,35 @@ def test_memory_aware_admission_never_starts_what_the_budget_cannot_hold(tokeniz
     small = AgentLoop(session, renderer, limits, cache_budget=2 * 100 * 1024 - 1)
     with pytest.raises(ValueError, match=r"rollout.cache_budget_mb: .*max_seq_len=1024"):
         run_all(small, episodes(renderer, 1), params_for(renderer), max_live=4)
+
+
+class ResetRaises(gymnasium.Wrapper):
+    def reset(self, **kwargs):
+        raise RuntimeError("task database unreachable")
+
+
+def test_a_raising_reset_is_an_env_error_of_its_episode_only(tokenizer):
+    """Both loops: the episode is finished as an env error (never trained on), its env is not
+    reused, and the other episodes run on."""
+    renderer = ChatRenderer(tokenizer)
+    make = lambda: gymnasium.make("agentrl/Calculator-v0")  # noqa: E731
+    loop = AgentLoop(
+        ScriptedSession(tokenizer, expert_script(tokenizer)), renderer, EpisodeLimits()
+    )
+    eps = [start_episode(ResetRaises(make()), 0, "g/0", "t0", renderer), *episodes(renderer, 3)[1:]]
+    assert eps[0].done and eps[0].env_broken
+    new = run_all(loop, eps, params_for(renderer), max_live=3)
+    old = run_episodes(
+        [ResetRaises(make()), make(), make()],
+        [0, 1, 2],
+        ["t0", "t1", "t2"],
+        policy=ScriptedPolicy(tokenizer, expert_script(tokenizer)),
+        renderer=renderer,
+        sampling=params_for(renderer),
+        limits=EpisodeLimits(),
+    )
+    for trajs in (new, old):
+        assert trajs[0].status is RolloutStatus.ENV_ERROR
+        assert trajs[0].finish_detail == "reset raised RuntimeError: task database unreachable"
+        assert trajs[0].token_ids == [] and not trajs[0].trainable
+        assert [t.status for t in trajs[1:]] == [RolloutStatus.COMPLETED] * 2
