@@ -4,6 +4,7 @@ agentrl train configs/quickstart.yaml [section.key=value ...]
 agentrl train --resume runs/quickstart-YYYYmmdd-HHMMSS [section.key=value ...]
 agentrl check configs/quickstart.yaml [section.key=value ...]   # validate only
 agentrl config schema [--output agentrl.schema.json]             # JSON Schema of a run file
+agentrl config docs [--output docs/run-files.md]                  # every key, as markdown
 agentrl plot runs/quickstart-YYYYmmdd-HHMMSS
 agentrl monitor runs/quickstart-YYYYmmdd-HHMMSS      # or: --redis URL --run NAME
 agentrl envs list
@@ -93,10 +94,15 @@ def cmd_check(args) -> int:
 
 
 def cmd_config(args) -> int:
-    text = json.dumps(run_file_schema(), indent=2) + "\n"
+    if args.action == "docs":
+        from rl.config_docs import run_file_reference
+
+        text, what = run_file_reference(), "the run-file reference"
+    else:
+        text, what = json.dumps(run_file_schema(), indent=2) + "\n", "the JSON Schema of a run file"
     if args.output:
         Path(args.output).write_text(text)
-        print(f"wrote the JSON Schema of a run file to {args.output}")
+        print(f"wrote {what} to {args.output}")
     else:
         sys.stdout.write(text)
     return 0
@@ -189,8 +195,12 @@ def parser() -> argparse.ArgumentParser:
                 help="exit 3 unless RL beats the warm start beyond the 95%% intervals",
             )
     sp = sub.add_parser("config", help="the run-file format, for editors", parents=[common])
-    sp.add_argument("action", choices=["schema"], help="schema: print its JSON Schema")
-    sp.add_argument("--output", metavar="PATH", help="write the schema to PATH instead")
+    sp.add_argument(
+        "action",
+        choices=["schema", "docs"],
+        help="schema: print its JSON Schema; docs: print the reference of every key (markdown)",
+    )
+    sp.add_argument("--output", metavar="PATH", help="write it to PATH instead")
     sp.set_defaults(fn=cmd_config)
     sp = sub.add_parser("plot", help="draw a run's reward curve", parents=[common])
     sp.add_argument("run_dir")

@@ -92,7 +92,9 @@ class RunConfig(Section):
     """An agentrl run file (agentrl train RUN_FILE): every section is optional."""
 
     name: Name = "run"
+    """The run's name: run directories are <output_dir>/<name>-<timestamp>."""
     seed: int = 0
+    """Seeds task draws, sampling and model initialisation."""
     output_dir: str = "runs"
     """Run directories are created under here: <output_dir>/<name>-<timestamp>/."""
     checkpoint_every: int = Field(10, ge=0)

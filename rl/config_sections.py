@@ -58,6 +58,8 @@ def _ray_address(value: str) -> str:
 
 
 class RayConfig(Section):
+    """The Ray cluster the run's actors live on."""
+
     address: Annotated[str, AfterValidator(_ray_address)] = "local"
     """"local" starts a private Ray on this machine; "auto" or "ray://host:port" joins a cluster."""
     num_cpus: Positive | None = None
@@ -73,6 +75,8 @@ def _redis_url(value: str | None) -> str | None:
 
 
 class RedisConfig(Section):
+    """The Redis server of the trajectory stream, the task stream and the metrics stream."""
+
     url: Annotated[str | None, AfterValidator(_redis_url)] = None
     """redis://[:password@]host:port/db of an existing server; null starts an embedded one."""
 
@@ -84,6 +88,8 @@ def _entry_point(value: str | None) -> str | None:
 
 
 class EnvConfig(Section):
+    """The tool environment to train on."""
+
     id: str | None = None
     """A gymnasium id of a tool environment (default agentrl/Calculator-v0); with `entry_point`,
     the id to register it under (default <module>/<Class>-v0)."""
@@ -140,6 +146,8 @@ class RewardConfig(Section):
 
 
 class PolicyConfig(Section):
+    """The policy: a saved model, or a fresh one built offline."""
+
     path: str | None = None
     """A local directory with a saved causal LM and tokenizer; null builds `model_type` fresh."""
     model_type: str = "qwen3"
@@ -163,6 +171,8 @@ class PolicyConfig(Section):
 
 
 class RolloutConfig(Section):
+    """Rollout workers: sampling, episode limits, partial rollouts."""
+
     num_workers: int = Field(2, gt=0)
     """RolloutWorker actors."""
     cpus_per_worker: float = Field(0.5, ge=0)
@@ -170,8 +180,11 @@ class RolloutConfig(Section):
     threads_per_worker: int = Field(1, gt=0)
     """torch threads in each worker."""
     temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of rollouts (and of the sampled evaluation)."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens with this much probability (1: off)."""
     top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens only (0: off)."""
     max_new_tokens: int = Field(48, gt=0)
     """Tokens per assistant turn."""
     max_turns: int = Field(4, gt=0)
@@ -205,17 +218,25 @@ class RolloutConfig(Section):
 
 
 class SFTConfig(Section):
+    """The supervised warm start on the env expert's demonstrations."""
+
     enabled: bool = True
     """Warm-start the policy on the env expert's demonstrations (TRL SFTTrainer)."""
     demonstrations: int = Field(2000, gt=0)
+    """Expert episodes rendered as SFT examples."""
     expert_error_rate: float = Field(0.3, ge=0, le=1)
     """Share of demonstrations in which the expert deliberately goes wrong."""
     epochs: float = Field(6.0, gt=0)
+    """Passes over the demonstrations (fractions allowed)."""
     lr: float = Field(2e-3, gt=0)
+    """SFT learning rate (AdamW)."""
     batch_size: int = Field(16, gt=0)
+    """SFT examples per optimizer step."""
 
 
 class EvalConfig(Section):
+    """Held-out evaluation after SFT and after RL."""
+
     tasks: int = Field(200, ge=0)
     """Held-out tasks (seeds disjoint from training)."""
     samples: int = Field(4, gt=0)
@@ -225,7 +246,10 @@ class EvalConfig(Section):
 
 
 class MetricsConfig(Section):
+    """Where metrics go besides metrics.jsonl and the Redis metrics stream."""
+
     tensorboard: bool = True
+    """Also write TensorBoard events to <run>/tensorboard."""
     collapse_window: int = 5
     """Steps in the rolling mean used to detect a reward collapse."""
     collapse_drop: float = 0.3
@@ -233,6 +257,8 @@ class MetricsConfig(Section):
 
 
 class WeightsConfig(Section):
+    """The weight push from the learner to the rollout workers."""
+
     transport: Literal["object_store", "broadcast"] = "object_store"
     """object_store: buckets as Ray objects (shared memory on a node); broadcast: a gloo group."""
     bucket_mb: float = Field(256.0, gt=0)
@@ -247,6 +273,7 @@ class StageConfig(Section):
     and env settings that replace the run's while it lasts."""
 
     name: Name
+    """The stage's name (letters, digits, '.', '_', '-'), shown in the console and logs."""
     steps: Positive
     """RL steps in this stage; the stages' steps add up to trainer.steps."""
     max_seq_len: Positive
@@ -267,6 +294,8 @@ Aggregation = Literal[
 
 
 class TrainerConfig(Section):
+    """The RL learner: algorithm, batch, optimizer, async and long-context settings."""
+
     algorithm: Algorithm = "grpo"
     """grpo | dr_grpo | dapo | gspo | cispo (group-relative), or ppo (value head + GAE)."""
     steps: int = Field(60, gt=0)
@@ -276,7 +305,9 @@ class TrainerConfig(Section):
     batch_size: int = Field(128, gt=0)
     """Trajectories per step (= tasks per step x group_size)."""
     lr: float = Field(5e-4, gt=0)
+    """RL learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     clip_low: Annotated[float, Field(gt=0, lt=1)] | None = None
     """Lower clip of the importance ratio (null: the algorithm's default, 0.2; gspo 3e-4)."""
     clip_high: Annotated[float, Field(gt=0)] | None = None
@@ -287,6 +318,8 @@ class TrainerConfig(Section):
     kl_coef: float = Field(0.0, ge=0)
     """Weight of KL(policy || frozen initial policy) per token; 0 keeps no reference model."""
     kl_estimator: Literal["k1", "k3"] = "k3"
+    """Per-token KL estimator when kl_coef > 0: k1 (the log ratio) or k3 (Schulman's unbiased,
+    non-negative estimator)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus (subtracted from the loss, times the token-mean entropy)."""
     tis_cap: Annotated[float, Field(ge=1)] | None = None
@@ -316,6 +349,7 @@ class TrainerConfig(Section):
     value_clip: Annotated[float, Field(gt=0)] | None = 0.2
     """PPO: clip of the value prediction around its old value (null: unclipped)."""
     max_grad_norm: float = Field(1.0, gt=0)
+    """Gradients are clipped to this global norm."""
     micro_batch_size: int = Field(32, gt=0)
     """Trajectories per forward/backward (gradients accumulate to the batch)."""
     segment_tokens: int = Field(0, ge=0)
