@@ -241,5 +241,8 @@ def test_unisolated_fallback_warns_and_still_limits():
     time.sleep(0.2)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert "sleep 77.5" not in ps  # the whole process group was killed
-    assert plain.run_python("while True: pass").status == "cpu_limit"
+    roomy = Sandbox(  # wall time to spare: a busy machine gives the loop less than a core
+        SandboxConfig(limits=dataclasses.replace(LIMITS, wall_s=20), backend="process")
+    )
+    assert roomy.run_python("while True: pass").status == "cpu_limit"
     assert "MemoryError" in plain.run_python("x = bytearray(1 << 30)").stderr
