@@ -254,7 +254,7 @@ def run_evals(cfg, workers, renderer, log: MetricsLogger, *, step: int, label: s
 
 def report(evals: dict[str, dict[str, EvalResult]], base: str, algo: str, run_dir: Path) -> dict:
     """Print the before/after table and write summary.json."""
-    lines = ["", "Held-out evaluation (success rate, 95% interval over tasks)"]
+    lines = ["", "Held-out evaluation (success rate, 95% Wilson interval, clustered by task)"]
     for label, results in evals.items():
         for mode, result in results.items():
             lines.append(f"  after {label.upper():<7} {mode:<28} {result}")
