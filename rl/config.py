@@ -447,6 +447,16 @@ class MetricsConfig:
     """Steps in the rolling mean used to detect a reward collapse."""
     collapse_drop: float = 0.3
     """A fall of the rolling mean success this far below its best is reported as a collapse."""
+    trajectories: int = 32
+    """Trajectories per step recorded in <run>/trajectories.jsonl for `agentrl show` (whole
+    groups, spread over the step's batch); 0: none."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`)."""
+    mlflow: bool = False
+    """Also log to MLflow (needs `pip install mlflow`)."""
+
+    def __post_init__(self) -> None:
+        _positive("trajectories", self.trajectories, zero_ok=True)
 
 
 @dataclass(kw_only=True, slots=True)
