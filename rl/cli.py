@@ -4,6 +4,7 @@ agentrl train configs/quickstart.yaml [section.key=value ...]
 agentrl train --resume runs/quickstart-YYYYmmdd-HHMMSS [section.key=value ...]
 agentrl check configs/quickstart.yaml [section.key=value ...]   # validate only
 agentrl plot runs/quickstart-YYYYmmdd-HHMMSS
+agentrl show runs/quickstart-YYYYmmdd-HHMMSS [--id ID | --worst | --best] [--step N] [--list]
 agentrl envs list
 agentrl envs check agentrl/Calculator-v0 [difficulty=2 ...]
 """
@@ -89,6 +90,16 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_show(args) -> int:
+    from rl.show import ShowError, run
+
+    try:
+        return run(args)
+    except ShowError as exc:
+        print(f"agentrl show: {exc}", file=sys.stderr)
+        return 2
+
+
 def cmd_envs(args) -> int:
     from envs.check import check_tool_env, list_envs
     from rl.config import parse_overrides
@@ -140,6 +151,7 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("plot", help="draw a run's reward curve", parents=[common])
     sp.add_argument("run_dir")
     sp.set_defaults(fn=cmd_plot)
+    add_show(sub, common)
     sp = sub.add_parser("envs", help="tool environments: list them, or check one", parents=[common])
     sp.add_argument("action", choices=["list", "check"])
     sp.add_argument("env_id", nargs="?", help="env id to check, e.g. agentrl/Calculator-v0")
@@ -148,6 +160,20 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--long-steps", type=int, default=32, help="steps of the long episode")
     sp.set_defaults(fn=cmd_envs)
     return p
+
+
+def add_show(sub, common) -> None:
+    sp = sub.add_parser(
+        "show", help="print one recorded trajectory as a transcript", parents=[common]
+    )
+    sp.add_argument("run_dir")
+    which = sp.add_mutually_exclusive_group()
+    which.add_argument("--id", help="the trajectory id (see --list), e.g. 12-3/5")
+    which.add_argument("--worst", action="store_true", help="the lowest reward")
+    which.add_argument("--best", action="store_true", help="the highest reward")
+    which.add_argument("--list", action="store_true", help="list the recorded trajectories")
+    sp.add_argument("--step", type=int, help="only trajectories trained at this step")
+    sp.set_defaults(fn=cmd_show)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import ray
 import yaml
 from tqdm import tqdm
 
-from rl import ledger
+from rl import ledger, trajlog
 from rl.build import prepare_policy, sampling, stream_names
 from rl.config import RunConfig
 from rl.curriculum import describe, stage_ends, stage_index, staged
@@ -150,6 +150,7 @@ def restore(
     )
     dropped = truncate_metrics(run_dir, state.step)
     ledger.truncate(run_dir, state.step)
+    trajlog.truncate(run_dir, state.step)
     fate = "will be trained (none is lost)" if rewind else "are discarded and will be redone"
     say(
         f"resumed from {checkpoint.name}: step {state.step}; {entries} stream entries after "
@@ -188,6 +189,7 @@ def rl_train(
         metrics = rollout_metrics(stats)
         metrics.update(ray.get(learner.step.remote()))
         ledger.append(run_dir, step, ray.get(learner.ledger.remote()))
+        record_trajectories(cfg, run_dir, step, learner)
         push = push_weights(
             learner, workers, timeout_s=cfg.weights.push_timeout_s, transport=cfg.weights.transport
         )
@@ -207,6 +209,13 @@ def rl_train(
         bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
         bar.update(1)
     bar.close()
+
+
+def record_trajectories(cfg: RunConfig, run_dir: Path, step: int, learner) -> None:
+    """Append `metrics.trajectories` of the step's trajectories to trajectories.jsonl."""
+    if cfg.metrics.trajectories:
+        recs = ray.get(learner.trajectories.remote(cfg.metrics.trajectories))
+        trajlog.append(run_dir, step, recs)
 
 
 def set_stage(cfg: RunConfig, workers, index: int | None) -> None:
