@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rl.config import RunConfig, load_config
 from rl.schema import ConfigError
+from rl.trackers import check_installed
 
 
 def _check_env(cfg: RunConfig) -> None:
@@ -45,6 +46,7 @@ def load(args) -> RunConfig:
         raise ConfigError("", "name a run file, e.g. agentrl train configs/quickstart.yaml")
     cfg = load_config(args.config, args.overrides)
     _check_env(cfg)
+    check_installed(cfg)  # metrics.wandb / metrics.mlflow on without its package
     return cfg
 
 

@@ -32,6 +32,7 @@ from rl.metrics import (
 )
 from rl.runstate import RunState, load_latest, save_checkpoint, truncate_metrics, worker_seed
 from rl.schema import to_dict
+from rl.trackers import open_trackers
 from rl.weights import push_weights
 from rollout.render import ChatRenderer
 from rollout.worker import Task
@@ -79,6 +80,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
             stream=stream_names(run_id)["metrics"],
             tensorboard=cfg.metrics.tensorboard,
             purge_step=state.step + 1 if checkpoint else None,
+            trackers=open_trackers(cfg, run_dir),
         )
         renderer = ChatRenderer(_tokenizer(state.model_dir))
         last = len(cfg.curriculum) - 1 if cfg.curriculum else None
