@@ -249,6 +249,15 @@ class LearnerHost:
     def ledger(self) -> dict:
         return self.learner.ledger
 
+    def trajectories(self, limit: int) -> list[dict]:
+        """Up to `limit` of the last step's trajectories as rl/trajlog.py records."""
+        from rl.trajlog import records
+
+        learner = self.learner
+        return records(
+            learner.last_groups, learner.ledger, limit=limit, advantages=learner.algo.advantages
+        )
+
     def last_acked(self) -> str:
         return self.learner.last_acked
 

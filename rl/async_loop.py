@@ -33,6 +33,7 @@ from tqdm import tqdm
 from rl import ledger
 from rl.build import sampling, stream_names
 from rl.evaluate import EVAL_SEED_OFFSET
+from rl.loop import record_trajectories
 from rl.metrics import (
     CollapseDetector,
     console_line,
@@ -94,6 +95,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             feeder.top_up(version=step - 1)
             metrics = _learner_step(learner, serving)
             ledger.append(run_dir, step, ray.get(learner.ledger.remote()))
+            record_trajectories(cfg, run_dir, step, learner)
             push = push_weights(
                 learner,
                 workers,

@@ -7,6 +7,7 @@ agentrl config schema [--output agentrl.schema.json]             # JSON Schema o
 agentrl config docs [--output docs/run-files.md]                  # every key, as markdown
 agentrl plot runs/quickstart-YYYYmmdd-HHMMSS
 agentrl monitor runs/quickstart-YYYYmmdd-HHMMSS      # or: --redis URL --run NAME
+agentrl show runs/quickstart-YYYYmmdd-HHMMSS [--id ID | --worst | --best] [--step N] [--list]
 agentrl envs list
 agentrl envs check agentrl/Calculator-v0 [difficulty=2 ...]
 """
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 from rl.config import ConfigError, RunConfig, load_config, run_file_schema
+from rl.trackers import check_installed
 
 
 def _check_env(cfg: RunConfig) -> None:
@@ -55,6 +57,7 @@ def load(args) -> RunConfig:
         raise ConfigError("", "name a run file, e.g. agentrl train configs/quickstart.yaml")
     cfg = load_config(args.config, args.overrides)
     _check_env(cfg)
+    check_installed(cfg)  # metrics.wandb / metrics.mlflow on without its package
     return cfg
 
 
@@ -146,6 +149,16 @@ def cmd_monitor(args) -> int:
     return 0
 
 
+def cmd_show(args) -> int:
+    from rl.show import ShowError, run
+
+    try:
+        return run(args)
+    except ShowError as exc:
+        print(f"agentrl show: {exc}", file=sys.stderr)
+        return 2
+
+
 def cmd_envs(args) -> int:
     from envs.check import check_tool_env, list_envs
     from rl.config import parse_overrides
@@ -214,6 +227,7 @@ def parser() -> argparse.ArgumentParser:
         "--stall-after", type=float, default=120.0, help="alarm after this many silent seconds"
     )
     sp.set_defaults(fn=cmd_monitor)
+    add_show(sub, common)
     sp = sub.add_parser("envs", help="tool environments: list them, or check one", parents=[common])
     sp.add_argument("action", choices=["list", "check"])
     sp.add_argument("env_id", nargs="?", help="env id to check, e.g. agentrl/Calculator-v0")
@@ -222,6 +236,20 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--long-steps", type=int, default=32, help="steps of the long episode")
     sp.set_defaults(fn=cmd_envs)
     return p
+
+
+def add_show(sub, common) -> None:
+    sp = sub.add_parser(
+        "show", help="print one recorded trajectory as a transcript", parents=[common]
+    )
+    sp.add_argument("run_dir")
+    which = sp.add_mutually_exclusive_group()
+    which.add_argument("--id", help="the trajectory id (see --list), e.g. 12-3/5")
+    which.add_argument("--worst", action="store_true", help="the lowest reward")
+    which.add_argument("--best", action="store_true", help="the highest reward")
+    which.add_argument("--list", action="store_true", help="list the recorded trajectories")
+    sp.add_argument("--step", type=int, help="only trajectories trained at this step")
+    sp.set_defaults(fn=cmd_show)
 
 
 def main(argv: list[str] | None = None) -> int:

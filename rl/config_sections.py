@@ -254,6 +254,13 @@ class MetricsConfig(Section):
     """Steps in the rolling mean used to detect a reward collapse."""
     collapse_drop: float = 0.3
     """A fall of the rolling mean success this far below its best is reported as a collapse."""
+    trajectories: int = Field(32, ge=0)
+    """Trajectories per step recorded in <run>/trajectories.jsonl for `agentrl show` (whole
+    groups, spread over the step's batch); 0: none."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`)."""
+    mlflow: bool = False
+    """Also log to MLflow (needs `pip install mlflow`)."""
 
 
 class WeightsConfig(Section):

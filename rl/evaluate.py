@@ -1,13 +1,14 @@
-"""Held-out evaluation across the rollout workers, with 95% intervals clustered by task."""
+"""Held-out evaluation across the rollout workers, with 95% Wilson intervals at the effective
+sample size of the task clustering (rl/stats.py)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import ray
 
 from policy.sampling import SamplingParams
+from rl.stats import success_interval
 
 EVAL_SEED_OFFSET = 1_000_000_000  # training seeds stay below this
 
@@ -26,16 +27,6 @@ class EvalResult:
 
     def __str__(self) -> str:
         return f"{self.success:6.1%} [{self.ci_low:.1%}, {self.ci_high:.1%}]"
-
-
-def success_interval(per_task: list[list[bool]]) -> tuple[float, float, float]:
-    """Mean success and a 95% normal interval over task means (samples of a task correlate)."""
-    means = [sum(s) / len(s) for s in per_task]
-    n = len(means)
-    mean = sum(means) / n
-    sd = math.sqrt(sum((m - mean) ** 2 for m in means) / (n - 1)) if n > 1 else 0.0
-    half = 1.96 * sd / math.sqrt(n)
-    return mean, max(0.0, mean - half), min(1.0, mean + half)
 
 
 def evaluate(

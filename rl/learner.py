@@ -96,6 +96,8 @@ class Learner:
         self.trained: set[str] = set()
         """Group ids trained so far (checkpointed): a redelivered copy is never trained again."""
         self.ledger = new_entry()
+        self.last_groups: list[TrajectoryGroup] = []
+        """The groups of the last step, trained or not (for rl/trajlog.py's records)."""
         self.generator = torch.Generator().manual_seed(seed)  # micro-batch order
 
     def read_batch(self) -> tuple[list[str], list[TrajectoryGroup]]:
@@ -130,6 +132,7 @@ class Learner:
         entry_ids, groups = self.read_batch() if self.shard.leader else ([], [])
         wait = time.perf_counter() - wait
         groups = sorted(self.shard.share_groups(groups), key=_group_key)  # arrival order varies
+        self.last_groups = groups
         count = len(groups)
         groups = sort_groups(groups, drop_flat=self.algo.drop_flat_groups, entry=self.ledger)
         dropped = count - len(groups)

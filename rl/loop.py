@@ -17,7 +17,7 @@ import ray
 import yaml
 from tqdm import tqdm
 
-from rl import ledger
+from rl import ledger, trajlog
 from rl.build import prepare_policy, sampling, stream_names
 from rl.config import RunConfig
 from rl.curriculum import describe, stage_ends, stage_index, staged
@@ -31,6 +31,7 @@ from rl.metrics import (
     rollout_metrics,
 )
 from rl.runstate import RunState, load_latest, save_checkpoint, truncate_metrics, worker_seed
+from rl.trackers import open_trackers
 from rl.weights import push_weights
 from rollout.render import ChatRenderer
 from rollout.worker import Task
@@ -78,6 +79,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
             stream=stream_names(run_id)["metrics"],
             tensorboard=cfg.metrics.tensorboard,
             purge_step=state.step + 1 if checkpoint else None,
+            trackers=open_trackers(cfg, run_dir),
         )
         renderer = ChatRenderer(_tokenizer(state.model_dir))
         last = len(cfg.curriculum) - 1 if cfg.curriculum else None
@@ -149,6 +151,7 @@ def restore(
     )
     dropped = truncate_metrics(run_dir, state.step)
     ledger.truncate(run_dir, state.step)
+    trajlog.truncate(run_dir, state.step)
     fate = "will be trained (none is lost)" if rewind else "are discarded and will be redone"
     say(
         f"resumed from {checkpoint.name}: step {state.step}; {entries} stream entries after "
@@ -187,6 +190,7 @@ def rl_train(
         metrics = rollout_metrics(stats)
         metrics.update(ray.get(learner.step.remote()))
         ledger.append(run_dir, step, ray.get(learner.ledger.remote()))
+        record_trajectories(cfg, run_dir, step, learner)
         push = push_weights(
             learner, workers, timeout_s=cfg.weights.push_timeout_s, transport=cfg.weights.transport
         )
@@ -206,6 +210,13 @@ def rl_train(
         bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
         bar.update(1)
     bar.close()
+
+
+def record_trajectories(cfg: RunConfig, run_dir: Path, step: int, learner) -> None:
+    """Append `metrics.trajectories` of the step's trajectories to trajectories.jsonl."""
+    if cfg.metrics.trajectories:
+        recs = ray.get(learner.trajectories.remote(cfg.metrics.trajectories))
+        trajlog.append(run_dir, step, recs)
 
 
 def set_stage(cfg: RunConfig, workers, index: int | None) -> None:
@@ -253,7 +264,7 @@ def run_evals(cfg, workers, renderer, log: MetricsLogger, *, step: int, label: s
 
 def report(evals: dict[str, dict[str, EvalResult]], base: str, algo: str, run_dir: Path) -> dict:
     """Print the before/after table and write summary.json."""
-    lines = ["", "Held-out evaluation (success rate, 95% interval over tasks)"]
+    lines = ["", "Held-out evaluation (success rate, 95% Wilson interval, clustered by task)"]
     for label, results in evals.items():
         for mode, result in results.items():
             lines.append(f"  after {label.upper():<7} {mode:<28} {result}")

@@ -1,14 +1,17 @@
-"""Per-step metrics to metrics.jsonl, TensorBoard, a Redis stream and the console; collapse
-detection; the compact console line."""
+"""Per-step metrics to metrics.jsonl, TensorBoard, a Redis stream, the optional W&B / MLflow
+trackers (rl/trackers.py) and the console; collapse detection; the compact console line."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
+
+from rl.trackers import tracker_metrics
 
 
 class MetricsLogger:
@@ -20,10 +23,13 @@ class MetricsLogger:
         stream: str,
         tensorboard: bool,
         purge_step: int | None = None,
+        trackers: Sequence = (),
     ):
-        """`purge_step`: on resume, TensorBoard events from this step on are dropped (rewritten)."""
+        """`purge_step`: on resume, TensorBoard events from this step on are dropped (rewritten).
+        `trackers`: rl/trackers.py's W&B / MLflow loggers, each given every record."""
         self.path = run_dir / "metrics.jsonl"
         self.client, self.stream = client, stream
+        self.trackers = list(trackers)
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -44,10 +50,14 @@ class MetricsLogger:
             self.writer.flush()
         if self.client is not None:
             self.client.xadd(self.stream, {"data": line}, maxlen=100_000, approximate=True)
+        for tracker in self.trackers:
+            tracker.log(step, tracker_metrics(metrics, phase))
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 class CollapseDetector:

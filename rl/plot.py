@@ -1,4 +1,5 @@
-"""`agentrl plot RUN_DIR`: the reward and success curves of a run as a PNG."""
+"""`agentrl plot RUN_DIR`: the reward and success curves of a run as a PNG; the held-out
+evaluations with their 95% Wilson intervals (`eval/ci_low`, `eval/ci_high`: rl/stats.py)."""
 
 from __future__ import annotations
 

@@ -118,6 +118,19 @@ def test_train_runs_end_to_end(tmp_path):
         assert all(key in r for r in train), key
     assert train[-1]["learner/version"] == 2
     assert len([r for r in records if r["phase"] == "eval"]) == 4  # SFT and GRPO x sampled, greedy
+    trajectories = [
+        json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in trajectories] == [1] * 16 + [2] * 16  # batch 16 <= 32 recorded
+    assert {r["fate"] for r in trajectories} <= {"trained", "failed: no trainable trajectory"}
+    shown = subprocess.run(
+        [sys.executable, "-m", "rl.cli", "show", str(run_dir), "--worst", "--step", "2"],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("trajectory 2-") and "turn 1 · sampled" in shown.stdout
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "config.yaml").exists() and (run_dir / "summary.json").exists()

@@ -14,6 +14,7 @@ from policy.logprobs import token_logprobs
 from rl.batch import pack
 from rl.config import TrainerConfig
 from rl.learner import Learner, StreamTimeout
+from rl.trajlog import records
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
 
@@ -165,6 +166,11 @@ def test_dapo_drops_flat_groups_and_reports_them(tiny_model):
     metrics = learner.step()
     assert metrics["learner/dropped_groups"] == 1 and metrics["learner/trajectories"] == 4
     assert source.acked == ["0-0", "1-0"]  # the dropped group is consumed, not left pending
+    recs = records(learner.last_groups, learner.ledger, limit=8, advantages="grpo")
+    fate = {r["group"]: (r["fate"], r["advantage"]) for r in recs}
+    assert fate["8#0"] == ("filtered: flat", 0.0)
+    assert fate["9#1"][0] == "trained" and abs(fate["9#1"][1]) > 0.5
+    assert [r["id"] for r in recs][:2] == ["8#0/0", "8#0/1"]
 
 
 def test_ppo_value_head_learns_the_outcome(tiny_model):

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import json
 
-from rl.evaluate import success_interval
 from rl.metrics import CollapseDetector, MetricsLogger, rollout_metrics
 
 
@@ -17,12 +16,6 @@ def test_collapse_is_reported_once():
 def test_no_collapse_on_noise():
     detector = CollapseDetector(window=5, drop=0.3)
     assert not any(detector.update(v) for v in [0.6, 0.7, 0.65, 0.8, 0.75, 0.7, 0.85, 0.8] * 3)
-
-
-def test_interval_is_clustered_by_task():
-    same = success_interval([[True] * 4, [False] * 4] * 50)
-    assert same[0] == 0.5 and 0.39 < same[1] < 0.41  # sd of task means 0.5 -> 1.96*0.5/10
-    assert success_interval([[True, False]] * 100)[1:] == (0.5, 0.5)
 
 
 def test_rollout_metrics_add_up_workers():

@@ -77,6 +77,8 @@ def test_sigkilled_learner_resumes_exactly(tmp_path):
         line for line in (run_b / "metrics.jsonl").read_text().splitlines() if '"train"' in line
     ]
     assert len(steps) == 5  # no gap, no duplicate after the resume
+    recorded = (run_b / "trajectories.jsonl").read_text()  # cut back to step 2, steps redone
+    assert recorded == (run_a / "trajectories.jsonl").read_text() and recorded.count("\n") == 80
 
     for skip, copy in copies.items():
         control = cli("--resume", str(copy), "--resume-skip", skip)
