@@ -26,6 +26,7 @@ from rl.metrics import (
     CollapseDetector,
     MetricsLogger,
     console_line,
+    eval_record,
     push_metrics,
     redis_metrics,
     rollout_metrics,
@@ -244,17 +245,8 @@ def run_evals(cfg, workers, renderer, log: MetricsLogger, *, step: int, label: s
             workers, tasks=cfg.eval.tasks, samples=samples, sampling=params, mode=mode
         )
         out[mode] = result
-        log.log(
-            step,
-            {
-                "eval/label": label,
-                "eval/mode": mode,
-                "eval/success": result.success,
-                "eval/ci_low": result.ci_low,
-                "eval/ci_high": result.ci_high,
-            },
-            phase="eval",
-        )
+        record = eval_record(label, mode, result.success, result.ci_low, result.ci_high)
+        log.log(step, record, phase="eval")
         say(
             f"eval after {label.upper()}, {mode}: {result} on {cfg.eval.tasks} held-out tasks "
             f"({time.perf_counter() - start:.0f} s)"

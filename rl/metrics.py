@@ -44,9 +44,8 @@ class MetricsLogger:
         if self.writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, int | float):
-                    self.writer.add_scalar(
-                        f"{phase}/{key}" if phase != "train" else key, value, step
-                    )
+                    plain = phase == "train" or key.startswith(f"{phase}/")
+                    self.writer.add_scalar(key if plain else f"{phase}/{key}", value, step)
             self.writer.flush()
         if self.client is not None:
             self.client.xadd(self.stream, {"data": line}, maxlen=100_000, approximate=True)
@@ -58,6 +57,29 @@ class MetricsLogger:
             self.writer.close()
         for tracker in self.trackers:
             tracker.close()
+
+
+def eval_record(label: str, mode: str, success: float, low: float, high: float) -> dict:
+    """One evaluation's metrics, under names distinct for each label (sft, grpo, ...) and kind
+    (sampled, greedy): `eval/<label>/<kind>/success`, `.../ci_low`, `.../ci_high`, plus the
+    label and the full mode text."""
+    base = f"eval/{label}/{mode.split(' ')[0]}"
+    return {
+        "eval/label": label,
+        "eval/mode": mode,
+        f"{base}/success": success,
+        f"{base}/ci_low": low,
+        f"{base}/ci_high": high,
+    }
+
+
+def eval_values(record: dict) -> tuple[float, float, float]:
+    """(success, ci_low, ci_high) of an evaluation record (also one written before the names
+    became distinct, with plain `eval/success`)."""
+    base = f"eval/{record.get('eval/label')}/{str(record.get('eval/mode', '')).split(' ')[0]}"
+    if f"{base}/success" not in record:
+        base = "eval"
+    return record[f"{base}/success"], record[f"{base}/ci_low"], record[f"{base}/ci_high"]
 
 
 class CollapseDetector:

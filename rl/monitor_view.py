@@ -9,6 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from rl.metrics import eval_values
 from rl.monitor import PANELS, MonitorState, ema
 
 BARS = "▁▂▃▄▅▆▇█"
@@ -83,14 +84,13 @@ def evals(state: MonitorState, last_only: bool = False) -> Table:
         table.add_column(name)
     rows = state.evals[-4:] if last_only else state.evals
     for r in rows:
-        low, high = r.get("eval/ci_low"), r.get("eval/ci_high")
-        interval = f"[{low:.1%}, {high:.1%}]" if low is not None and high is not None else "-"
+        success, low, high = eval_values(r)
         table.add_row(
             str(r["step"]),
             str(r.get("eval/label", "")),
             str(r.get("eval/mode", "")),
-            _fmt(r.get("eval/success"), ".1%"),
-            interval,
+            _fmt(success, ".1%"),
+            f"[{low:.1%}, {high:.1%}]",
         )
     return table
 

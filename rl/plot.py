@@ -1,10 +1,12 @@
 """`agentrl plot RUN_DIR`: the reward and success curves of a run as a PNG; the held-out
-evaluations with their 95% Wilson intervals (`eval/ci_low`, `eval/ci_high`: rl/stats.py)."""
+evaluations with their 95% Wilson intervals (rl/stats.py; read with rl.metrics.eval_values)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from rl.metrics import eval_values
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -37,10 +39,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     ax_r.set(title="Training reward", xlabel="step", ylabel="reward")
     ax_s.plot(steps, [r["rollout/success_rate"] for r in train], label="training success")
     for r in evals:
+        success, low, high = eval_values(r)
         ax_s.errorbar(
             [r["step"]],
-            [r["eval/success"]],
-            yerr=[[r["eval/success"] - r["eval/ci_low"]], [r["eval/ci_high"] - r["eval/success"]]],
+            [success],
+            yerr=[[success - low], [high - success]],
             fmt="o",
             capsize=4,
             label=f"eval {r['eval/label']} ({r['eval/mode']})",

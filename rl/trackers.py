@@ -3,8 +3,9 @@
 `agentrl train` refuse a run file that turns one on when its package is not installed.
 
 rl/metrics.py's MetricsLogger hands each record to every tracker after metrics.jsonl: the numeric
-metrics of a training step under their own keys, an evaluation's as `eval/<mode>/success`,
-`eval/<mode>/ci_low`, `eval/<mode>/ci_high` (`<mode>`: sampled or greedy), at the same step.
+metrics of a training step under their own keys, an evaluation's as
+`eval/<label>/<kind>/success`, `.../ci_low`, `.../ci_high` (`<label>`: sft, grpo, ...; `<kind>`:
+sampled or greedy; rl.metrics.eval_record), at the same step.
 
 - W&B: project `WANDB_PROJECT` or the run's `name`; the W&B run's id and name are the run
   directory's name, so `--resume` continues it (W&B's steps only go forward: the steps a resume
@@ -57,10 +58,7 @@ def tracker_metrics(metrics: dict, phase: str) -> dict[str, float]:
     }
     if phase == "train":
         return numbers
-    if phase == "eval":
-        mode = str(metrics.get("eval/mode", "")).split(" ")[0] or "eval"
-        return {f"eval/{mode}/{k.removeprefix('eval/')}": v for k, v in numbers.items()}
-    return {f"{phase}/{k}": v for k, v in numbers.items()}
+    return {k if k.startswith(f"{phase}/") else f"{phase}/{k}": v for k, v in numbers.items()}
 
 
 class WandbTracker:

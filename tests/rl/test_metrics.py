@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from rl.metrics import CollapseDetector, MetricsLogger, rollout_metrics
+from rl.metrics import CollapseDetector, MetricsLogger, eval_record, eval_values, rollout_metrics
 
 
 def test_collapse_is_reported_once():
@@ -51,3 +51,23 @@ def test_logger_writes_jsonl_tensorboard_and_redis(tmp_path, redis_server):
     assert [x["reward/mean"] for x in lines] == [0.5, 0.7]
     assert client.xlen("m") == 2
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_each_evaluation_has_its_own_tensorboard_tag_and_jsonl_keys(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLogger(tmp_path, client=None, stream="", tensorboard=True)
+    for label, step in (("sft", 0), ("grpo", 40)):
+        for mode in ("sampled (T=1, 4/task)", "greedy"):
+            log.log(step, eval_record(label, mode, 0.5, 0.4, 0.6), phase="eval")
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"eval/sft/sampled/success", "eval/sft/greedy/success"} <= tags
+    assert {"eval/grpo/sampled/ci_low", "eval/grpo/greedy/ci_high"} <= tags
+    assert not [t for t in tags if t.startswith("eval/eval/")]
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [eval_values(r) for r in records] == [(0.5, 0.4, 0.6)] * 4
+    old = {"eval/label": "sft", "eval/mode": "greedy", "eval/success": 1.0}
+    assert eval_values({**old, "eval/ci_low": 0.9, "eval/ci_high": 1.0}) == (1.0, 0.9, 1.0)

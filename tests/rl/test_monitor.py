@@ -15,7 +15,7 @@ from rich.console import Console
 
 from rl.cli import main
 from rl.launch import start_redis
-from rl.metrics import MetricsLogger
+from rl.metrics import MetricsLogger, eval_record
 from rl.monitor import PANELS, JsonlSource, MonitorState, RedisSource
 from rl.monitor_view import render, render_all
 
@@ -108,10 +108,10 @@ def test_the_redis_source_follows_the_runs_stream(tmp_path):
         log.log(2, {"reward/mean": 0.5})
         assert [r["step"] for r in source.poll(timeout=1.0)] == [1, 2]
         assert source.poll() == []
-        log.log(0, {"eval/success": 0.5}, phase="eval")
+        log.log(0, eval_record("sft", "greedy", 0.5, 0.4, 0.6), phase="eval")
         state = MonitorState()
         state.add(source.poll(timeout=1.0), now=0.0)
-        assert state.evals[0]["eval/success"] == 0.5
+        assert state.evals[0]["eval/sft/greedy/success"] == 0.5
     finally:
         server.stop()
 

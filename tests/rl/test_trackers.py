@@ -12,7 +12,7 @@ import pytest
 
 from rl.cli import main
 from rl.config import load_config
-from rl.metrics import MetricsLogger
+from rl.metrics import MetricsLogger, eval_record
 from rl.trackers import open_trackers, tracker_metrics
 
 QUICKSTART = "configs/quickstart.yaml"
@@ -61,13 +61,19 @@ def fake_mlflow(calls: list) -> types.ModuleType:
     return module
 
 
+EVAL_NUMBERS = {
+    "eval/grpo/sampled/success": 0.9,
+    "eval/grpo/sampled/ci_low": 0.8,
+    "eval/grpo/sampled/ci_high": 0.95,
+}
+
+
 def log_two_records(tmp_path, cfg):
     log = MetricsLogger(
         tmp_path, client=None, stream="", tensorboard=False, trackers=open_trackers(cfg, tmp_path)
     )
     log.log(1, {"reward/mean": 0.5, "tools/(invalid)/calls": 2, "learner/kl": float("nan")})
-    mode = "sampled (T=1, 4/task)"
-    log.log(1, {"eval/label": "grpo", "eval/mode": mode, "eval/success": 0.9}, phase="eval")
+    log.log(1, eval_record("grpo", "sampled (T=1, 4/task)", 0.9, 0.8, 0.95), phase="eval")
     log.close()
 
 
@@ -81,7 +87,7 @@ def test_wandb_gets_each_step_and_finishes(tmp_path, monkeypatch):
     assert init["resume"] == "allow" and init["config"]["trainer"]["algorithm"] == "grpo"
     assert rest == [
         ("log", {"reward/mean": 0.5, "tools/(invalid)/calls": 2.0}, 1),  # NaN left out
-        ("log", {"eval/sampled/success": 0.9}, 1),
+        ("log", EVAL_NUMBERS, 1),
         ("finish",),
     ]
 
@@ -100,7 +106,7 @@ def test_mlflow_gets_each_step_and_ends_the_run(tmp_path, monkeypatch):
     metrics = [(c[1][0], c[2]["step"]) for c in calls if c[0] == "log_metrics"]
     assert metrics == [
         ({"reward/mean": 0.5, "tools/_invalid_/calls": 2.0}, 1),
-        ({"eval/sampled/success": 0.9}, 1),
+        (EVAL_NUMBERS, 1),
     ]
     assert names[-1] == "end_run" and (tmp_path / "mlflow_run_id").read_text() == "abc123"
     calls.clear()  # a resumed run continues the same MLflow run and logs no params again
@@ -109,12 +115,15 @@ def test_mlflow_gets_each_step_and_ends_the_run(tmp_path, monkeypatch):
     assert "log_params" not in [c[0] for c in calls]
 
 
-def test_eval_keys_name_the_mode():
-    record = {"eval/label": "sft", "eval/mode": "greedy", "eval/success": 1.0, "eval/ci_low": 0.98}
-    assert tracker_metrics(record, "eval") == {
-        "eval/greedy/success": 1.0,
-        "eval/greedy/ci_low": 0.98,
-    }
+def test_eval_keys_name_the_label_and_the_kind():
+    records = [
+        eval_record(label, mode, 0.5, 0.4, 0.6)
+        for label in ("sft", "grpo")
+        for mode in ("sampled (T=1, 4/task)", "greedy")
+    ]
+    keys = [k for r in records for k in tracker_metrics(r, "eval")]
+    assert len(keys) == len(set(keys)) == 12
+    assert "eval/sft/greedy/ci_low" in keys and "eval/grpo/sampled/success" in keys
 
 
 @pytest.mark.parametrize("name", ["wandb", "mlflow"])
