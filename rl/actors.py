@@ -118,7 +118,7 @@ class WorkerHost:
 
     def evaluate(
         self, seeds: list[int], samples: int, sampling: SamplingParams
-    ) -> list[list[bool]]:
+    ) -> tuple[list[list[bool]], dict[str, int]]:
         self.worker.policy.reseed(seeds[0] if seeds else 0)
         return self.worker.evaluate(seeds, samples, sampling)
 

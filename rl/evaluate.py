@@ -21,6 +21,18 @@ class EvalResult:
     success: float
     ci_low: float
     ci_high: float
+    tool_calls: int = 0
+    """Tool calls the policy attempted in the evaluation's episodes (unparsable ones too)."""
+    bad_tool_calls: int = 0
+    """Of those, calls that failed: unparsable, unknown tool, bad arguments, or the tool
+    raised."""
+    truncated: float = 0.0
+    """Share of the episodes that ended truncated (out of turns, tokens or context)."""
+
+    @property
+    def tool_call_ok(self) -> float:
+        """Share of tool calls that ran without an error (1.0 when there were none)."""
+        return 1.0 - self.bad_tool_calls / self.tool_calls if self.tool_calls else 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -37,6 +49,17 @@ def evaluate(
     results = ray.get(
         [w.evaluate.remote(c, samples, sampling) for w, c in zip(workers, chunks, strict=True) if c]
     )
-    per_task = [task for chunk in results for task in chunk]
+    per_task = [task for chunk, _ in results for task in chunk]
+    counts = {k: sum(c[k] for _, c in results) for k in results[0][1]}
     mean, low, high = success_interval(per_task)
-    return EvalResult(mode, tasks, samples, mean, low, high)
+    return EvalResult(
+        mode,
+        tasks,
+        samples,
+        mean,
+        low,
+        high,
+        tool_calls=counts["tool_calls"] + counts["parse_errors"],
+        bad_tool_calls=counts["tool_errors"] + counts["parse_errors"],
+        truncated=counts["truncated"] / max(counts["episodes"], 1),
+    )

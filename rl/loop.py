@@ -68,8 +68,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
     with services(cfg, run_dir) as svc:
         say(f"run directory: {run_dir}")
         checkpoint, state = load_latest(run_dir, rng=resume.rng) if resume else (None, None)
+        sft_report: dict[str, float] = {}
         if state is None:
-            state = warm_start(cfg, run_dir)
+            state, sft_report = warm_start(cfg, run_dir)
         say(f"starting {cfg.rollout.num_workers} rollout workers and the learner on Ray")
         learner, workers = start_actors(cfg, Path(state.model_dir), svc.redis_url, run_id)
         if checkpoint is not None:
@@ -90,6 +91,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
                 staged(cfg, last), workers, renderer, log, step=0, label=state.base_label
             )
             state.base_evals = {mode: r.to_dict() for mode, r in evals.items()}
+            if sft_report:
+                report_sft(cfg, sft_report, evals, log)
         if cfg.trainer.mode == "async":
             from rl.async_loop import async_train
 
@@ -111,13 +114,15 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
     return summary
 
 
-def warm_start(cfg: RunConfig, run_dir: Path) -> RunState:
-    """A fresh policy, then (if enabled) SFT on the expert's demonstrations with TRL."""
+def warm_start(cfg: RunConfig, run_dir: Path) -> tuple[RunState, dict[str, float]]:
+    """A fresh policy, then (if enabled) SFT on the expert's demonstrations with TRL; returns
+    the run state and the SFT figures on held-out demonstrations (rl/sft_check.py)."""
     model_dir = prepare_policy(cfg, run_dir)
     if not cfg.sft.enabled:
-        return RunState.start(cfg.seed, model_dir, "init")
+        return RunState.start(cfg.seed, model_dir, "init"), {}
     from policy.hf import load_model
     from rl.sft import expert_demonstrations, run_sft, sft_examples
+    from rl.sft_check import heldout_report
 
     tokenizer = _tokenizer(model_dir)
     demos = expert_demonstrations(
@@ -134,8 +139,28 @@ def warm_start(cfg: RunConfig, run_dir: Path) -> RunState:
     out = run_dir / "sft-model"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    say(f"SFT done in {stats['sft/seconds']:.0f} s (mean loss {stats['sft/loss']:.3f})")
-    return RunState.start(cfg.seed, out, "sft")
+    report = heldout_report(cfg, model, ChatRenderer(tokenizer))
+    say(
+        f"SFT done in {stats['sft/seconds']:.0f} s (mean loss {stats['sft/loss']:.3f}; token "
+        f"accuracy on held-out demonstrations {report['sft/token_accuracy']:.1%})"
+    )
+    return RunState.start(cfg.seed, out, "sft"), {**stats, **report}
+
+
+def report_sft(cfg: RunConfig, report: dict, evals: dict, log: MetricsLogger) -> None:
+    """The SFT figures as one metrics record, and a warning for each sign that SFT did not take."""
+    from rl.sft_check import diagnose
+
+    warnings = diagnose(cfg, report, evals)
+    log.log(0, report, phase="sft")
+    if "sft/tool_call_ok" in report:
+        say(
+            f"after SFT: {report['sft/tool_call_ok']:.0%} of tool calls ran without an error, "
+            f"greedy success {report['sft/greedy_success']:.0%} (expert "
+            f"{report['sft/expert_success']:.0%})"
+        )
+    for text in warnings:
+        logger.warning(f"!!! {text}")
 
 
 def restore(

@@ -142,12 +142,21 @@ class RolloutWorker:
 
     def evaluate(
         self, seeds: list[int], samples: int, sampling: SamplingParams
-    ) -> list[list[bool]]:
-        """Success of `samples` episodes per seed (nothing is written to the stream)."""
+    ) -> tuple[list[list[bool]], dict[str, int]]:
+        """Success of `samples` episodes per seed, and counts over all of them: episodes,
+        tool_calls, tool_errors, parse_errors, truncated (nothing is written to the stream)."""
         trajs = self.run([s for s in seeds for _ in range(samples)], sampling)
-        return [
+        per_seed = [
             [t.success for t in trajs[i * samples : (i + 1) * samples]] for i in range(len(seeds))
         ]
+        counts = {
+            "episodes": len(trajs),
+            "tool_calls": sum(t.num_tool_calls for t in trajs),
+            "tool_errors": sum(t.num_tool_errors for t in trajs),
+            "parse_errors": sum(t.num_parse_errors for t in trajs),
+            "truncated": sum(t.status is RolloutStatus.TRUNCATED for t in trajs),
+        }
+        return per_seed, counts
 
 
 def summarize(trajs: list[Trajectory], *, seconds: float) -> dict[str, float]:

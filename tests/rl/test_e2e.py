@@ -118,6 +118,9 @@ def test_train_runs_end_to_end(tmp_path):
         assert all(key in r for r in train), key
     assert train[-1]["learner/version"] == 2
     assert len([r for r in records if r["phase"] == "eval"]) == 4  # SFT and GRPO x sampled, greedy
+    (sft,) = [r for r in records if r["phase"] == "sft"]  # did SFT take? (it cannot, this tiny)
+    assert 0 <= sft["sft/token_accuracy"] <= 1 and "sft/tool_call_ok" in sft
+    assert "SFT did not fit the demonstrations" in proc.stdout + proc.stderr
     trajectories = [
         json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()
     ]
