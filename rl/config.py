@@ -465,6 +465,17 @@ class WeightsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    keep_last: int = 3
+    """After each checkpoint commits, delete the step directories older than the newest this
+    many (0: keep all); never the one `checkpoints/latest` names. Curriculum stage-end
+    checkpoints count like any other."""
+
+    def __post_init__(self) -> None:
+        _positive("keep_last", self.keep_last, zero_ok=True)
+
+
+@dataclass(kw_only=True, slots=True)
 class StageConfig:
     """One stage of a context curriculum (rl/curriculum.py): its steps, and the rollout limits
     and env settings that replace the run's while it lasts."""
@@ -499,6 +510,7 @@ class RunConfig:
     """Run directories are created under here: <output_dir>/<name>-<timestamp>/."""
     checkpoint_every: int = 10
     """Write an atomic checkpoint every this many steps and at the end (0: only at the end)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
