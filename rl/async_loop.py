@@ -116,7 +116,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             log.log(step, metrics)
             state.step = step
             if step == t.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-                save_checkpoint(run_dir, state, learner)
+                save_checkpoint(run_dir, state, learner, keep_last=cfg.checkpoint.keep_last)
             bar.write(console_line(step, t.steps, metrics) + (f"\n!!! {alarm}" if alarm else ""))
             bar.update(1)
     finally:

@@ -5,7 +5,10 @@ everything else in JSON; it is written under a temporary name, every file and th
 fsynced, then it is renamed into place and `checkpoints/latest` (a one-line text file, itself
 replaced atomically) names it. A directory without its `manifest.json` (written last) or with a
 file whose SHA-256 differs from the manifest is never loaded: resuming from it is an error, never
-a silent restart from step 0.
+a silent restart from step 0. `prune` keeps only the newest `checkpoint.keep_last` of them.
+
+The learner's tensors inside are written by torch.distributed.checkpoint (rl/learner_state.py)
+as safetensors files under `learner/`; the manifest covers them like every other file.
 """
 
 from __future__ import annotations
@@ -84,6 +87,29 @@ def commit(root: Path, tmp: Path, step: int) -> Path:
     os.replace(latest_tmp, root / "latest")
     _fsync_dir(root)
     return final
+
+
+def prune(root: Path, keep_last: int) -> list[str]:
+    """After a commit: delete the step directories older than the newest `keep_last` (0: keep
+    all), never the one `latest` names. Each is first renamed to `.pruned-...` (atomic), so a
+    crash mid-delete leaves nothing that looks like a checkpoint; leftovers go next time.
+    Returns the names deleted."""
+    if keep_last <= 0:
+        return []
+    pointer = root / "latest"
+    current = pointer.read_text().strip() if pointer.is_file() else None
+    steps = sorted(
+        (p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
+        key=lambda p: int(p.name[5:]),
+    )
+    doomed = [p for p in steps[:-keep_last] if p.name != current]
+    for path in doomed:
+        os.rename(path, root / f".pruned-{path.name}")
+    if doomed:
+        _fsync_dir(root)
+    for leftover in root.glob(".pruned-step-*"):
+        shutil.rmtree(leftover)
+    return [p.name for p in doomed]
 
 
 def latest(root: Path) -> Path:

@@ -21,6 +21,7 @@ from rl.config_errors import ConfigError, config_error
 from rl.config_sections import (
     Aggregation,
     Algorithm,
+    CheckpointConfig,
     EnvConfig,
     EvalConfig,
     MetricsConfig,
@@ -40,6 +41,7 @@ from rl.config_sections import (
 __all__ = [
     "Aggregation",
     "Algorithm",
+    "CheckpointConfig",
     "ConfigError",
     "EnvConfig",
     "EvalConfig",
@@ -99,6 +101,7 @@ class RunConfig(Section):
     """Run directories are created under here: <output_dir>/<name>-<timestamp>/."""
     checkpoint_every: int = Field(10, ge=0)
     """Write an atomic checkpoint every this many steps and at the end (0: only at the end)."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)

@@ -275,6 +275,15 @@ class WeightsConfig(Section):
     """A push not acknowledged by every worker within this time is an error naming them."""
 
 
+class CheckpointConfig(Section):
+    """Checkpoints of the run (written every `checkpoint_every` steps and at the end)."""
+
+    keep_last: int = Field(3, ge=0)
+    """After each checkpoint commits, delete the step directories older than the newest this
+    many (0: keep all); never the one `checkpoints/latest` names. Curriculum stage-end
+    checkpoints count like any other."""
+
+
 class StageConfig(Section):
     """One stage of a context curriculum (rl/curriculum.py): its steps, and the rollout limits
     and env settings that replace the run's while it lasts."""

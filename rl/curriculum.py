@@ -9,7 +9,8 @@ max_seq_len, turns, tokens per turn and env settings, e.g. the seed's 8K -> 64K 
 Step s (1-based) belongs to the first stage whose cumulative steps reach s. The sync loop
 (rl/loop.py) switches every worker's limits and envs when a stage begins (and at the first step
 after a resume, so `--resume` in the middle of a curriculum continues in the right stage),
-checkpoints at the last step of every stage, and evaluates before and after training at the
+checkpoints at the last step of every stage (ordinary step-NNNNNN checkpoints, which
+`checkpoint.keep_last` prunes like any other), and evaluates before and after training at the
 last (longest) stage, so the two evaluations compare like with like.
 """
 

@@ -112,16 +112,3 @@ class Shard:
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a (possibly sharded) tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def like(template: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
-    """A saved local piece, placed like `template` (a DTensor template gives a DTensor)."""
-    if isinstance(template, DTensor):
-        return DTensor.from_local(
-            piece,
-            template.device_mesh,
-            template.placements,
-            shape=template.shape,
-            stride=template.stride(),
-        )
-    return piece

@@ -231,7 +231,7 @@ def rl_train(
         state.step = step
         every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if step == t.steps or every or step in ends:
-            save_checkpoint(run_dir, state, learner)
+            save_checkpoint(run_dir, state, learner, keep_last=cfg.checkpoint.keep_last)
         bar.write(console_line(step, t.steps, metrics) + (f"\n!!! {alarm}" if alarm else ""))
         bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
         bar.update(1)

@@ -59,15 +59,17 @@ def worker_seed(run_seed: int, step: int, worker: int) -> int:
     return (run_seed * 1_000_003 + step * 1_009 + worker) % (1 << 62)
 
 
-def save_checkpoint(run_dir: Path, state: RunState, learner) -> Path:
+def save_checkpoint(run_dir: Path, state: RunState, learner, *, keep_last: int = 0) -> Path:
     """Write and commit a checkpoint, then trim the stream entries it has consumed (only after
-    the commit: a crash in between leaves them for the previous checkpoint)."""
+    the commit: a crash in between leaves them for the previous checkpoint) and delete the
+    checkpoints older than the newest `keep_last` (0: none)."""
     root = run_dir / "checkpoints"
     tmp = ckpt.staging_dir(root, state.step)
     last_acked = ray.get(learner.save_checkpoint.remote(str(tmp)))
     ckpt.write_json(tmp / "driver.json", state.to_json())
     path = ckpt.commit(root, tmp, state.step)
     ray.get(learner.trim.remote(last_acked))
+    ckpt.prune(root, keep_last)
     return path
 
 

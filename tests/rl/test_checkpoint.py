@@ -6,10 +6,12 @@ import copy
 
 import pytest
 
-from policy.hf import checksum, export_weights
+from policy.hf import build_model, checksum, export_weights
 from rl import checkpoint as ckpt
 from rl.config import TrainerConfig
 from rl.learner import Learner
+from rl.learner_state import DCP_DIR
+from tests.conftest import TINY_MODEL
 from tests.rl.test_learner import ListSource, make_group
 
 
@@ -56,17 +58,56 @@ def test_incomplete_and_corrupt_checkpoints_are_refused(tiny_model, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint"):
         ckpt.latest(tmp_path)
     one = learner(copy.deepcopy(tiny_model), batches(tiny_model, 2))
+    one.step()
     tmp = ckpt.staging_dir(tmp_path, 1)
     one.save(tmp)
     path = ckpt.commit(tmp_path, tmp, 1)
     tmp2 = ckpt.staging_dir(tmp_path, 2)  # a crash mid-write leaves only a temporary directory
     one.save(tmp2)
     assert ckpt.latest(tmp_path) == path
-    data = bytearray((path / "learner-rank0.safetensors").read_bytes())
+    (shard,) = (path / DCP_DIR).glob("*.safetensors")  # the DCP shard of the one rank
+    data = bytearray(shard.read_bytes())
     data[-3] ^= 0xFF
-    (path / "learner-rank0.safetensors").write_bytes(bytes(data))
-    with pytest.raises(ckpt.CheckpointError, match="corrupt"):
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=rf"{DCP_DIR}/.*corrupt"):
+        ckpt.latest(tmp_path)
+    shard.unlink()
+    with pytest.raises(ckpt.CheckpointError, match=rf"{DCP_DIR}/.* is missing"):
         ckpt.latest(tmp_path)
     (path / "manifest.json").unlink()
     with pytest.raises(ckpt.CheckpointError, match="incomplete"):
         ckpt.latest(tmp_path)
+
+
+def test_a_checkpoint_that_cannot_load_is_refused_naming_why(tiny_model, tmp_path):
+    grpo = learner(copy.deepcopy(tiny_model), batches(tiny_model, 2))
+    grpo.save(tmp_path)
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"has no value head.*trainer\.algorithm needs one"
+    ):
+        learner(copy.deepcopy(tiny_model), [], "ppo").load(tmp_path)
+    other = build_model("qwen3", TINY_MODEL, vocab_size=300)  # another model: another shape
+    with pytest.raises(ckpt.CheckpointError, match=r"does not fit this learner.*Size mismatch"):
+        learner(other, []).load(tmp_path)
+    (tmp_path / "learner.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="no learner state in the DCP format"):
+        grpo.load(tmp_path)
+
+
+def test_keep_last_prunes_old_checkpoints_but_never_latest(tmp_path):
+    def save(step: int) -> None:
+        tmp = ckpt.staging_dir(tmp_path, step)
+        ckpt.write_json(tmp / "driver.json", {"step": step})
+        ckpt.commit(tmp_path, tmp, step)
+
+    for step in (2, 4, 6, 8):
+        save(step)
+    assert ckpt.prune(tmp_path, 0) == []  # 0 keeps everything
+    assert ckpt.prune(tmp_path, 2) == ["step-000002", "step-000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000006", "step-000008"]
+    (tmp_path / "latest").write_text("step-000006")  # e.g. resumed from an older one
+    save(10)
+    (tmp_path / "latest").write_text("step-000006")
+    assert ckpt.prune(tmp_path, 1) == ["step-000008"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000006", "step-000010"]
+    ckpt.verify(tmp_path / "step-000006")

@@ -52,6 +52,7 @@ def test_quickstart_loads_and_overrides_apply():
         ("ray.address=nowhere", "ray.address", "local, auto"),
         ("trainer.lr=.nan", "trainer.lr", "finite"),
         ("trainer=3", "trainer", "expected a mapping"),
+        ("checkpoint.keep_last=-1", "checkpoint.keep_last", "must be >= 0"),
     ],
 )
 def test_bad_values_name_the_key(override, key, fragment):
