@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from rl.config_cluster import cluster_redis_error
 from rl.config_errors import ConfigError, config_error
 from rl.config_sections import (
     Aggregation,
@@ -153,6 +154,13 @@ class RunConfig(Section):
                 raise ConfigError(
                     f"curriculum[{i}].max_seq_len", f"must be above max_new_tokens ({new})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _redis_reachable_on_a_cluster(self) -> RunConfig:
+        error = cluster_redis_error(self.ray.address, self.redis)
+        if error is not None:
+            raise error
         return self
 
     @model_validator(mode="after")

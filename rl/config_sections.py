@@ -61,7 +61,8 @@ class RayConfig(Section):
     """The Ray cluster the run's actors live on."""
 
     address: Annotated[str, AfterValidator(_ray_address)] = "local"
-    """"local" starts a private Ray on this machine; "auto" or "ray://host:port" joins a cluster."""
+    """"local" starts a private Ray on this machine; "auto" (on a cluster node, e.g. under `ray
+    job submit`) or "ray://host:port" (Ray Client) joins a cluster (docs/cluster.md)."""
     num_cpus: Positive | None = None
     """CPUs of the local Ray (default: all of this machine's)."""
     object_store_mb: int = Field(512, gt=0)
@@ -75,10 +76,46 @@ def _redis_url(value: str | None) -> str | None:
 
 
 class RedisConfig(Section):
-    """The Redis server of the trajectory stream, the task stream and the metrics stream."""
+    """The Redis server of the trajectory, task and metrics streams. On a cluster (ray.address
+    not local) every node must reach it: the embedded server starts on this (the head) node,
+    bound to its address, or `url` names a server with a password and AOF (docs/cluster.md)."""
 
     url: Annotated[str | None, AfterValidator(_redis_url)] = None
-    """redis://[:password@]host:port/db of an existing server; null starts an embedded one."""
+    """redis://[:password@]host:port/db of an existing server (rediss:// for TLS, with
+    ?ssl_ca_certs=/path/ca.pem to verify it); null starts an embedded one."""
+    bind: str | None = None
+    """The IP address of this machine that the embedded server listens on and the run's
+    processes connect to (0.0.0.0: listen everywhere, connect by the node IP). null: 127.0.0.1
+    when ray.address is local; on a cluster, the IP Ray reports for this node. A non-loopback
+    address is listened on besides 127.0.0.1 (for SSH tunnels)."""
+    tls_cert_file: str | None = None
+    """Embedded server: serve TLS only (rediss://) with this PEM certificate, which must name
+    the address the run connects to (bind, or the node IP) in its subjectAltName. Needs
+    tls_key_file and tls_ca_cert_file, and a redis-server built with TLS (Debian's is)."""
+    tls_key_file: str | None = None
+    """The PEM private key of tls_cert_file."""
+    tls_ca_cert_file: str | None = None
+    """The PEM CA certificate that signed tls_cert_file (for a self-signed certificate, the
+    certificate itself): every process that connects verifies the server against it, so on a
+    cluster it must exist at this path on every node (a file mount)."""
+
+    @model_validator(mode="after")
+    def _embedded_only(self) -> RedisConfig:
+        tls = [self.tls_cert_file, self.tls_key_file, self.tls_ca_cert_file]
+        if self.url is not None:
+            for key, value in (("bind", self.bind), ("tls_cert_file", tls[0])):
+                if value is not None:
+                    raise ConfigError(
+                        key,
+                        "configures the embedded server, but url names an existing one; "
+                        "remove it (for TLS to an existing server use a rediss:// url)",
+                    )
+        if any(tls) and not all(tls):
+            raise ConfigError(
+                "tls_cert_file",
+                "TLS needs all three of tls_cert_file, tls_key_file and tls_ca_cert_file",
+            )
+        return self
 
 
 def _entry_point(value: str | None) -> str | None:

