@@ -7,6 +7,7 @@ arrays: readers on the same node share one read-only copy.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -25,8 +26,11 @@ from rl.config import RunConfig
 from rl.console import configure_from_env
 from rl.distributed import Shard, init_group
 from rl.launch import rendezvous
+from rl.placement import PlacementError, check_cluster, demands, ray_options, unplaced
 from rl.weights import Manifest, Publisher, Receiver, connect_broadcast
 from rollout.worker import Task
+
+logger = logging.getLogger(__name__)
 
 
 def _quiet() -> None:
@@ -100,6 +104,10 @@ class WorkerHost:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> tuple[str, str]:
+        """(Ray node id, node address) of the node this worker runs on."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def set_stage(self, cfg: RunConfig) -> None:
         """A curriculum stage begins: its limits and env settings (rl/curriculum.py)."""
@@ -266,20 +274,17 @@ def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     """Rank 0's handle; with world_size > 1 the ranks share one placement group and form one
     torch.distributed group before any model is built."""
     t = cfg.trainer
-    remote = ray.remote(num_cpus=t.cpus)(LearnerHost)
+    request = t.ray_resources
+    remote = ray.remote(**ray_options(request))(LearnerHost)
     args = (cfg, str(model_dir), redis_url, run_id)
     if t.world_size == 1:
         return remote.options(name=f"{run_id}-learner").remote(*args)
-    pg = placement_group([{"CPU": t.cpus}] * t.world_size, strategy="PACK")
+    pg = placement_group([request] * t.world_size, strategy="PACK")
     if not pg.wait(timeout_seconds=t.placement_timeout_s):
         remove_placement_group(pg)
-        raise RuntimeError(
-            f"could not place {t.world_size} learner ranks x {{CPU: {t.cpus:g}}} within "
-            f"{t.placement_timeout_s:g} s: the cluster has "
-            f"{ray.cluster_resources().get('CPU', 0):g} CPUs, "
-            f"{ray.available_resources().get('CPU', 0):g} free; lower trainer.world_size or "
-            f"trainer.cpus, or add nodes"
-        )
+        total, free = ray.cluster_resources(), ray.available_resources()
+        learner = demands(cfg)[0]
+        raise PlacementError(unplaced(learner, t.placement_timeout_s, total, free))
     ranks = [
         remote.options(
             name=f"{run_id}-learner-{r}",
@@ -296,31 +301,36 @@ def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
 
 
 def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
-    """One learner and `rollout.num_workers` workers, after checking the cluster can hold them."""
-    t = cfg.trainer
-    need = t.world_size * t.cpus + cfg.rollout.num_workers * cfg.rollout.cpus_per_worker
-    have = ray.cluster_resources().get("CPU", 0.0)
-    if need > have:
-        raise RuntimeError(
-            f"the Ray cluster has {have:g} CPUs but the run needs {need:g} "
-            f"(trainer.world_size={t.world_size} x trainer.cpus={t.cpus:g} + "
-            f"rollout.num_workers={cfg.rollout.num_workers} x "
-            f"rollout.cpus_per_worker={cfg.rollout.cpus_per_worker:g}); lower them or add nodes"
-        )
+    """One learner and `rollout.num_workers` workers, after checking the cluster can hold them
+    (rl/placement.py; rl/loop.py checks once before any work already)."""
+    check_cluster(cfg)
+    r = cfg.rollout
+    retries = -1 if cfg.trainer.mode == "async" else 0  # `serve` resumes after a restart
     worker_cls = ray.remote(
-        num_cpus=cfg.rollout.cpus_per_worker,
+        **ray_options(r.ray_resources),
         max_concurrency=4,  # pushes and counters arrive while `serve` runs
-        max_restarts=cfg.rollout.max_restarts,
-        max_task_retries=-1 if t.mode == "async" else 0,  # `serve` resumes after a restart
+        max_restarts=r.max_restarts,
+        max_task_retries=retries,
+        scheduling_strategy="SPREAD" if r.spread else "DEFAULT",
     )(WorkerHost)
     workers = [
         worker_cls.options(name=f"{run_id}-worker-{i}").remote(
             cfg, str(model_dir), redis_url, run_id, i
         )
-        for i in range(cfg.rollout.num_workers)
+        for i in range(r.num_workers)
     ]
     learner = start_learner(cfg, model_dir, redis_url, run_id)
-    ray.get([w.version.remote() for w in workers])  # surface constructor errors now
+    places = ray.get([w.node.remote() for w in workers])  # surfaces constructor errors now
+    logger.info(f"rollout workers on {where(places)}")
     if cfg.weights.transport == "broadcast":
         connect_broadcast(learner, workers, timeout_s=cfg.weights.push_timeout_s)
     return learner, workers
+
+
+def where(places: list[tuple[str, str]]) -> str:
+    """'2 nodes: 10.0.0.2 (node 3f2a9c1e) worker-0; 10.0.0.3 (node 77b0d2aa) worker-1'"""
+    on: dict[tuple[str, str], list[str]] = {}
+    for i, place in enumerate(places):
+        on.setdefault(place, []).append(f"worker-{i}")
+    nodes = [f"{ip} (node {node[:8]}) {', '.join(names)}" for (node, ip), names in on.items()]
+    return f"{len(on)} node{'s' if len(on) > 1 else ''}: " + "; ".join(nodes)

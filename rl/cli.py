@@ -77,11 +77,15 @@ def cmd_train(args) -> int:
     else:
         run_dir = make_run_dir(cfg)
     from rl.checkpoint import CheckpointError
+    from rl.placement import PlacementError
 
     try:
         summary = train(cfg, run_dir, resume)
     except CheckpointError as exc:
         print(f"agentrl: cannot resume: {exc}", file=sys.stderr)
+        return 2
+    except PlacementError as exc:
+        print(f"agentrl: cannot place the run on the Ray cluster: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         say(f"interrupted; Ray and Redis are stopped. Partial results in {run_dir}")

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rl.config_errors import ConfigError, config_error
+from rl.placement import Resources, ask, fold_cpus
 
 
 class Section(BaseModel):
@@ -213,7 +214,15 @@ class RolloutConfig(Section):
     num_workers: int = Field(2, gt=0)
     """RolloutWorker actors."""
     cpus_per_worker: float = Field(0.5, ge=0)
-    """Ray CPUs reserved per worker."""
+    """Ray CPUs reserved per worker (the same setting as resources.CPU; write either)."""
+    resources: Resources = Field(default_factory=dict)
+    """Ray resources each worker asks for besides its CPUs, e.g. {GPU: 1, rollout: 1} (a custom
+    resource that only some nodes offer puts the workers there); CPU here replaces
+    cpus_per_worker. Checked against the cluster before anything starts."""
+    spread: bool = True
+    """Place the workers with Ray's SPREAD strategy, over as many nodes as can hold them (a lost
+    node takes fewer workers with it); false: Ray's default, which fills the driver's node
+    first."""
     threads_per_worker: int = Field(1, gt=0)
     """torch threads in each worker."""
     temperature: float = Field(1.0, gt=0)
@@ -245,13 +254,20 @@ class RolloutConfig(Section):
     policy version it serves). Unfinished episodes are saved to Redis with their env state and
     continued later, on any worker. null: no budget."""
     max_restarts: int = Field(3, ge=0)
-    """Ray restarts a crashed rollout worker this many times; its tasks are retried."""
+    """Ray restarts a crashed rollout worker this many times (on another node if its node is
+    lost); its tasks are retried."""
 
     @model_validator(mode="after")
     def _turn_fits(self) -> RolloutConfig:
         if self.max_new_tokens >= self.max_seq_len:
             raise ConfigError("max_new_tokens", f"must be below max_seq_len ({self.max_seq_len})")
+        fold_cpus(self, "cpus_per_worker")
         return self
+
+    @property
+    def ray_resources(self) -> dict[str, float]:
+        """What one worker asks Ray for."""
+        return ask(self.cpus_per_worker, self.resources)
 
 
 class SFTConfig(Section):
@@ -416,14 +432,18 @@ class TrainerConfig(Section):
     """bf16: the learner's forward (and so its backward) under torch.autocast in bfloat16; the
     weights, gradients and optimizer state stay fp32, and K3's KDA recurrence, attention softmax,
     AttnRes and router scores stay fp32. none: the model's own dtype throughout."""
-    cpus: float = 1.0
-    """Ray CPUs reserved for each learner rank."""
+    cpus: float = Field(1.0, ge=0)
+    """Ray CPUs reserved for each learner rank (the same setting as resources.CPU)."""
+    resources: Resources = Field(default_factory=dict)
+    """Ray resources each learner rank asks for besides its CPUs, e.g. {GPU: 1, learner: 1};
+    CPU here replaces trainer.cpus. Checked against the cluster before anything starts."""
     world_size: int = Field(1, gt=0)
     """Learner ranks (Ray actors in one placement group, one torch.distributed group; FSDP2)."""
     expert_parallel: int = 1
     """Ranks that split each MoE layer's routed experts (must divide world_size)."""
     placement_timeout_s: float = Field(30.0, gt=0)
-    """Fail (naming the missing resources) if the learner ranks cannot be placed in time."""
+    """Fail, naming what is free, if the learner ranks' placement group is not placed in this
+    time (the cluster has the resources, checked at start, but other work holds them)."""
     threads: int = Field(2, gt=0)
     """torch threads in the learner (async mode: at most trainer.cpus, since the workers
     compute at the same time)."""
@@ -437,8 +457,14 @@ class TrainerConfig(Section):
     started groups < (learner version + max_staleness + 1) x tasks per step (admission control:
     generation pauses; nothing is ever discarded for being old or long)."""
 
+    @property
+    def ray_resources(self) -> dict[str, float]:
+        """What one learner rank asks Ray for."""
+        return ask(self.cpus, self.resources)
+
     @model_validator(mode="after")
     def _ranks(self) -> TrainerConfig:
+        fold_cpus(self, "cpus")
         if self.segment_tokens and self.world_size > 1:
             raise ConfigError(
                 "segment_tokens",

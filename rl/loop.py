@@ -63,9 +63,11 @@ def make_run_dir(cfg: RunConfig) -> Path:
 def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
     from rl.actors import start_actors
     from rl.launch import services
+    from rl.placement import check_cluster
 
     run_id = run_dir.name
     with services(cfg, run_dir) as svc:
+        check_cluster(cfg)  # before any work: a request the cluster cannot meet fails now
         say(f"run directory: {run_dir}")
         checkpoint, state = load_latest(run_dir, rng=resume.rng) if resume else (None, None)
         sft_report: dict[str, float] = {}
