@@ -35,23 +35,35 @@ def decoder_hidden(
     with return_routing the result is (hidden, routed experts [M, B*T, K]).
     segment_tokens > 0 and T > segment_tokens: the decoder runs in segments of that many tokens
     with activation checkpointing (policy/k3/segments.py; K3 policies only, ValueError else)."""
-    extra = {k: v for k, v in moe.items() if v is not None and v is not False}
-    if segment_tokens and input_ids_BT.shape[1] > segment_tokens:
-        hidden_BTD, routed = _segmented(
-            model, input_ids_BT, attention_mask_BT, segment_tokens, extra
-        )
-    else:
-        out = model.get_decoder()(
-            input_ids=input_ids_BT,
-            attention_mask=attention_mask_BT,
-            position_ids=(attention_mask_BT.cumsum(-1) - 1).clamp(min=0),
-            use_cache=False,
-            **extra,
-        )
-        hidden_BTD, routed = out.last_hidden_state, getattr(out, "routed_experts", None)
-    if extra.get("return_routing"):
+    hidden_BTD, routed = all_hidden(
+        model, input_ids_BT, attention_mask_BT, segment_tokens=segment_tokens, **moe
+    )
+    if moe.get("return_routing"):
         return hidden_BTD[:, :-1], routed
     return hidden_BTD[:, :-1]
+
+
+def all_hidden(
+    model,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    *,
+    segment_tokens: int = 0,
+    **moe,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(hidden [B, T, D] at every position, the last one included, routed experts [M, B*T, K]
+    or None): `decoder_hidden` before it drops the last position (same arguments)."""
+    extra = {k: v for k, v in moe.items() if v is not None and v is not False}
+    if segment_tokens and input_ids_BT.shape[1] > segment_tokens:
+        return _segmented(model, input_ids_BT, attention_mask_BT, segment_tokens, extra)
+    out = model.get_decoder()(
+        input_ids=input_ids_BT,
+        attention_mask=attention_mask_BT,
+        position_ids=(attention_mask_BT.cumsum(-1) - 1).clamp(min=0),
+        use_cache=False,
+        **extra,
+    )
+    return out.last_hidden_state, getattr(out, "routed_experts", None)
 
 
 def _segmented(model, input_ids_BT, attention_mask_BT, segment_tokens: int, extra: dict):
@@ -145,8 +157,12 @@ class TokenLogprobs(torch.nn.Module):
         replay_experts=None,
         return_routing: bool = False,
     ):
-        """(logprobs [B, T-1], entropy [B, T-1], hidden [B, T-1, D], routed experts or None)."""
-        hidden_BTD = decoder_hidden(
+        """(logprobs [B, T-1], entropy [B, T-1], hidden [B, T, D], routed experts or None).
+
+        hidden keeps the last position (which predicts no token): the decoder's own output, not
+        a slice of it, since a view returned by an FSDP2-wrapped root would let a later in-place
+        op drop the root's pre-backward hook. Index it at positions < T-1 as [B, T-1, D]."""
+        hidden_BTD, routed = all_hidden(
             self.policy,
             input_ids_BT,
             attention_mask_BT,
@@ -154,14 +170,11 @@ class TokenLogprobs(torch.nn.Module):
             replay_experts=replay_experts,
             return_routing=return_routing,
         )
-        routed = None
-        if return_routing:
-            hidden_BTD, routed = hidden_BTD
         logp_BT, entropy_BT = head_logprobs(
             self.policy,
-            hidden_BTD,
+            hidden_BTD[:, :-1],
             input_ids_BT[:, 1:],
             temperature=temperature,
             select_BT=select_BT,
         )
-        return logp_BT, entropy_BT, hidden_BTD, routed
+        return logp_BT, entropy_BT, hidden_BTD, routed if return_routing else None

@@ -281,6 +281,7 @@ class Learner:
         return mb.routes_NTMK is not None and not self.cfg.routing_replay
 
     def _values(self, hidden_NTD: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+        """Value of each turn [N, K], read at the turn's first predicting position (< T-1)."""
         index_NKD = mb.turn_pos_NK[:, :, None].expand(-1, -1, hidden_NTD.shape[-1])
         hidden_NKD = hidden_NTD.gather(1, index_NKD).to(self.value_head.weight.dtype)
         return self.value_head(hidden_NKD)[..., 0] * mb.turn_mask_NK

@@ -25,6 +25,8 @@ How a decoder layer uses it (l = 0-based layer index, S = attn_res_block_size):
     state = state.add(a)
     h = self.mlp_res(state)
     state = state.add(self.mlp(self.post_attention_layernorm(h)))
+    # (modeling.K3DecoderLayer returns only state.partial; K3Model carries the stored
+    #  sources on with state.after_layer, so no layer hands back a tensor it was given)
     # after the last layer:
     h = final_norm(self.output_attn_res(state)); logits = lm_head(h)
 
@@ -94,6 +96,14 @@ class AttnResState:
         """Add a sub-layer output to the running in-block sum."""
         partial = out_BTD if self.partial is None else self.partial + out_BTD
         return AttnResState(blocks=self.blocks, partial=partial)
+
+    def after_layer(self, partial_BTD: Tensor, *, closed: bool) -> AttnResState:
+        """The state after a decoder layer that returned only its new running sum
+        `partial_BTD` and closed a block at its start if `closed` (this state's partial is then
+        stored). Equal to the layer's own close_block/add sequence, built from the caller's
+        tensors rather than the copies the layer saw (under FSDP2: views)."""
+        blocks = (*self.blocks, self.partial) if closed else self.blocks
+        return AttnResState(blocks=blocks, partial=partial_BTD)
 
 
 def closes_block(layer_idx: int, block_size: int) -> bool:

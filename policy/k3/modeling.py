@@ -141,7 +141,13 @@ class K3DecoderLayer(nn.Module):
         return self.mlp(x_BTD, replay_indices_TK=replay_TK, return_routing=True)
 
     def forward(self, state, *, mask_BT=None, cache=None, replay_TK=None):
-        """state: AttnResState (the hidden [B, T, D] for a plain residual) -> (state, routing)."""
+        """state: AttnResState (the hidden [B, T, D] for a plain residual) -> (out_BTD, routing).
+
+        out_BTD is the next hidden, or with AttnRes the layer's new running block sum only: the
+        caller carries the stored sources on (`AttnResState.after_layer`). A layer never returns
+        a tensor it was given: FSDP2 hands a wrapped layer its inputs as views (its
+        post-backward hook is an identity autograd Function), and returning those views would
+        let a later in-place op drop the layer's pre-backward hook."""
         if self.block_size is None:
             h_BTD = state + self.mix(self.input_layernorm(state), mask_BT, cache)
             out_BTD, routing = self.ffn(self.post_attention_layernorm(h_BTD), replay_TK)
@@ -152,7 +158,14 @@ class K3DecoderLayer(nn.Module):
         state = state.add(self.mix(self.input_layernorm(h_BTD), mask_BT, cache))
         h_BTD = self.mlp_res(state)
         out_BTD, routing = self.ffn(self.post_attention_layernorm(h_BTD), replay_TK)
-        return state.add(out_BTD), routing
+        return state.add(out_BTD).partial, routing
+
+    def next_state(self, state, out_BTD: Tensor):
+        """The residual state after this layer, from its input `state` and its forward's
+        `out_BTD` (the caller's side of the contract above; no parameters involved)."""
+        if self.block_size is None:
+            return out_BTD
+        return state.after_layer(out_BTD, closed=closes_block(self.layer_idx, self.block_size))
 
 
 class K3PreTrainedModel(PreTrainedModel):
@@ -260,7 +273,8 @@ class K3Model(K3PreTrainedModel):
         routings = []
         for layer in self.layers:
             replay_TK = next(replays) if replays is not None and layer.is_sparse else None
-            state, routing = layer(state, mask_BT=mask_BT, cache=cache, replay_TK=replay_TK)
+            out_BTD, routing = layer(state, mask_BT=mask_BT, cache=cache, replay_TK=replay_TK)
+            state = layer.next_state(state, out_BTD)
             if routing is not None:
                 routings.append(routing)
         if self.config.attn_res_block_size is not None:
