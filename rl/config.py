@@ -20,8 +20,6 @@ from pydantic import Field, ValidationError, model_validator
 from rl.config_cluster import cluster_redis_error
 from rl.config_errors import ConfigError, config_error
 from rl.config_sections import (
-    Aggregation,
-    Algorithm,
     CheckpointConfig,
     EnvConfig,
     EvalConfig,
@@ -35,9 +33,9 @@ from rl.config_sections import (
     Section,
     SFTConfig,
     StageConfig,
-    TrainerConfig,
     WeightsConfig,
 )
+from rl.config_trainer import Aggregation, Algorithm, TrainerConfig
 
 __all__ = [
     "Aggregation",

@@ -18,8 +18,9 @@ from rl.config import RunConfig
 PREFACE = """\
 # Run files: every key
 
-<!-- Generated from rl/config_sections.py and rl/config.py by `agentrl config docs --output
-docs/run-files.md`; tests/rl/test_config_docs.py fails when this file and the code differ. -->
+<!-- Generated from rl/config.py, config_sections.py and config_trainer.py by
+`agentrl config docs --output docs/run-files.md`; tests/rl/test_config_docs.py fails when this
+file and the code differ. -->
 
 A run file is YAML; every key has a default, so a run file holds only what differs
 (`configs/quickstart.yaml` is the reference). Any key can be overridden on the command line with
