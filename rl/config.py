@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from rl.config_cluster import cluster_redis_error
+from rl.config_cluster import cluster_output_error, cluster_redis_error
 from rl.config_errors import ConfigError, config_error
 from rl.config_sections import (
     CheckpointConfig,
@@ -156,9 +156,12 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _redis_reachable_on_a_cluster(self) -> RunConfig:
-        error = cluster_redis_error(self.ray.address, self.redis)
-        if error is not None:
-            raise error
+        for error in (
+            cluster_redis_error(self.ray.address, self.redis),
+            cluster_output_error(self.ray.address, self.output_dir),
+        ):
+            if error is not None:
+                raise error
         return self
 
     @model_validator(mode="after")

@@ -92,3 +92,18 @@ def _embedded_error(ray_address: str, bind: str | None, where: str) -> ConfigErr
             "an address of this machine that the nodes reach also does",
         )
     return None
+
+
+def cluster_output_error(ray_address: str, output_dir: str) -> ConfigError | None:
+    """A multi-node run's actors load the policy from, and checkpoint into, the run directory:
+    it must be an absolute path, on a filesystem every node mounts at that path."""
+    if ray_address == "local" or output_dir.startswith("/"):
+        return None
+    return ConfigError(
+        "output_dir",
+        f"is the relative path {output_dir!r}, but ray.address is {ray_address!r}: the rollout "
+        "workers and learner ranks on other nodes read the policy from the run directory and "
+        "the learner writes checkpoints there, each in its own working directory. Set "
+        "output_dir to an absolute path on a filesystem every node mounts at the same path "
+        "(e.g. output_dir=/mnt/shared/runs; docs/cluster.md)",
+    )

@@ -21,6 +21,8 @@ from rl import launch
 from rl.config import ConfigError, load_config
 from rl.launch import LaunchError, RedisTLS, check_external_redis, services, start_redis
 
+SHARED = "output_dir=/mnt/shared/runs"  # a cluster run needs an absolute run directory
+
 
 def error_for(*overrides: str) -> ConfigError:
     with pytest.raises(ConfigError) as info:
@@ -78,12 +80,16 @@ def test_single_machine_default_is_unchanged():
 
 
 def test_a_cluster_run_with_the_embedded_redis_passes_the_check():
-    cfg = load_config(None, ["ray.address=auto"])
+    cfg = load_config(None, ["ray.address=auto", SHARED])
     assert cfg.redis.url is None
-    load_config(None, ["ray.address=10.0.0.10:6379", "redis.bind=10.0.0.10"])
-    load_config(None, ["ray.address=auto", "redis.url=redis://:s3cret@10.0.0.10:6379/0"])
-    load_config(None, ["ray.address=auto", "redis.url=rediss://agentrl:s3cret@redis.internal:6380"])
-    load_config(None, ["ray.address=auto", "redis.url=redis://10.0.0.10:6379/0?password=s3cret"])
+    load_config(None, ["ray.address=10.0.0.10:6379", SHARED, "redis.bind=10.0.0.10"])
+    load_config(None, ["ray.address=auto", SHARED, "redis.url=redis://:s3cret@10.0.0.10:6379/0"])
+    load_config(
+        None, ["ray.address=auto", SHARED, "redis.url=rediss://agentrl:s3cret@redis.internal:6380"]
+    )
+    load_config(
+        None, ["ray.address=auto", SHARED, "redis.url=redis://10.0.0.10:6379/0?password=s3cret"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -112,7 +118,7 @@ def test_a_cluster_run_with_the_embedded_redis_passes_the_check():
     ],
 )
 def test_a_cluster_run_refuses_a_loopback_or_passwordless_redis(overrides, key, fragments):
-    error = error_for("ray.address=auto", *overrides)
+    error = error_for("ray.address=auto", SHARED, *overrides)
     assert error.key == key
     assert "ray.address is 'auto', a cluster" in error.message
     for fragment in fragments:
@@ -120,7 +126,7 @@ def test_a_cluster_run_refuses_a_loopback_or_passwordless_redis(overrides, key, 
 
 
 def test_ray_client_with_the_embedded_redis_is_refused():
-    error = error_for("ray.address=ray://head:10001")
+    error = error_for("ray.address=ray://head:10001", SHARED)
     assert error.key == "redis.url"
     assert "Ray Client" in error.message and "ray job submit" in error.message
 
@@ -157,7 +163,7 @@ def test_services_on_a_cluster_start_redis_at_the_node_ip(tmp_path, ip, monkeypa
     monkeypatch.setattr(launch, "start_ray", lambda cfg: calls.append(cfg.address))
     monkeypatch.setattr(launch, "stop_ray", lambda: calls.append("stopped"))
     monkeypatch.setattr(launch, "_node_ip", lambda: ip)  # what Ray reports for this node
-    cfg = load_config(None, ["ray.address=auto"])
+    cfg = load_config(None, ["ray.address=auto", SHARED])
     with services(cfg, tmp_path) as svc:
         assert calls == ["auto"]  # Ray joined the cluster before Redis started
         assert f"@{ip}:" in svc.redis_url and svc.redis.ping()
@@ -251,9 +257,18 @@ def test_services_check_the_external_redis_before_ray_starts(tmp_path, ip, monke
         server.client().config_set("appendonly", "no")
         calls = []
         monkeypatch.setattr(launch, "start_ray", lambda cfg: calls.append("ray"))
-        cfg = load_config(None, ["ray.address=auto", f"redis.url={server.url}"])
+        cfg = load_config(None, ["ray.address=auto", SHARED, f"redis.url={server.url}"])
         with pytest.raises(ConfigError, match="appendonly no"), services(cfg, tmp_path / "run"):
             pass
         assert calls == []
     finally:
         server.stop()
+
+
+def test_a_cluster_run_needs_an_absolute_run_directory():
+    error = error_for("ray.address=auto")
+    assert error.key == "output_dir"
+    assert (
+        "relative path 'runs'" in error.message and "output_dir=/mnt/shared/runs" in error.message
+    )
+    assert load_config(None, ["output_dir=runs"]).output_dir == "runs"  # one machine: fine
