@@ -23,6 +23,7 @@ from policy.sampling import SamplingParams
 from rl.build import build_learner, build_worker, stream_names
 from rl.config import RunConfig
 from rl.console import configure_from_env
+from rl.devices import torch_device, with_devices
 from rl.distributed import Shard, init_group
 from rl.launch import rendezvous
 from rl.weights import Manifest, Publisher, Receiver, connect_broadcast
@@ -152,7 +153,8 @@ class LearnerHost:
     ):
         _quiet()
         self.args = (cfg, Path(model_dir), redis_url, run_id)
-        self.shard = Shard(rank, world, cfg.trainer.expert_parallel)
+        device = torch_device(cfg.trainer.device).type  # resolved on the driver (rl/devices.py)
+        self.shard = Shard(rank, world, cfg.trainer.expert_parallel, device)
         self.followers: list = []
         self.learner = None
         self.publisher = Publisher(self._export_all, bucket_mb=cfg.weights.bucket_mb)
@@ -165,7 +167,10 @@ class LearnerHost:
     def setup(self, address: str | None = None, port: int | None = None) -> None:
         cfg = self.args[0]
         if self.shard.world > 1:
-            init_group(address, port, self.shard.rank, self.shard.world, cfg.weights.push_timeout_s)
+            init_group(
+                address, port, self.shard.rank, self.shard.world, cfg.weights.push_timeout_s,
+                self.shard.device,
+            )  # fmt: skip
         self.learner = build_learner(*self.args, shard=self.shard)
 
     def attach(self, followers: list) -> None:
@@ -262,22 +267,34 @@ class LearnerHost:
         return self.learner.last_acked
 
 
+def actor_gpus(device: str) -> int:
+    """GPUs a learner rank or rollout worker on `device` reserves from Ray: one on cuda (Ray
+    then sets its CUDA_VISIBLE_DEVICES to that GPU, its cuda:0), none on cpu. `device` is
+    resolved on the driver first (rl/devices.py): never auto here."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"resolve the device before starting actors, got {device!r}")
+    return 1 if device == "cuda" else 0
+
+
 def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     """Rank 0's handle; with world_size > 1 the ranks share one placement group and form one
     torch.distributed group before any model is built."""
     t = cfg.trainer
-    remote = ray.remote(num_cpus=t.cpus)(LearnerHost)
+    gpus = actor_gpus(t.device)
+    remote = ray.remote(num_cpus=t.cpus, num_gpus=gpus)(LearnerHost)
     args = (cfg, str(model_dir), redis_url, run_id)
     if t.world_size == 1:
         return remote.options(name=f"{run_id}-learner").remote(*args)
-    pg = placement_group([{"CPU": t.cpus}] * t.world_size, strategy="PACK")
+    bundle = {"CPU": t.cpus} | ({"GPU": gpus} if gpus else {})
+    pg = placement_group([bundle] * t.world_size, strategy="PACK")
     if not pg.wait(timeout_seconds=t.placement_timeout_s):
         remove_placement_group(pg)
         raise RuntimeError(
-            f"could not place {t.world_size} learner ranks x {{CPU: {t.cpus:g}}} within "
+            f"could not place {t.world_size} learner ranks x {bundle} within "
             f"{t.placement_timeout_s:g} s: the cluster has "
-            f"{ray.cluster_resources().get('CPU', 0):g} CPUs, "
-            f"{ray.available_resources().get('CPU', 0):g} free; lower trainer.world_size or "
+            f"{ray.cluster_resources().get('CPU', 0):g} CPUs "
+            f"({ray.available_resources().get('CPU', 0):g} free) and "
+            f"{ray.cluster_resources().get('GPU', 0):g} GPUs; lower trainer.world_size or "
             f"trainer.cpus, or add nodes"
         )
     ranks = [
@@ -296,7 +313,9 @@ def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
 
 
 def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
-    """One learner and `rollout.num_workers` workers, after checking the cluster can hold them."""
+    """One learner and `rollout.num_workers` workers, after checking the cluster can hold them
+    (devices resolved against the cluster's GPUs if the caller has not: rl/devices.py)."""
+    cfg = with_devices(cfg, int(ray.cluster_resources().get("GPU", 0)), "the Ray cluster")
     t = cfg.trainer
     need = t.world_size * t.cpus + cfg.rollout.num_workers * cfg.rollout.cpus_per_worker
     have = ray.cluster_resources().get("CPU", 0.0)
@@ -309,6 +328,7 @@ def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
         )
     worker_cls = ray.remote(
         num_cpus=cfg.rollout.cpus_per_worker,
+        num_gpus=actor_gpus(cfg.rollout.device),
         max_concurrency=4,  # pushes and counters arrive while `serve` runs
         max_restarts=cfg.rollout.max_restarts,
         max_task_retries=-1 if t.mode == "async" else 0,  # `serve` resumes after a restart

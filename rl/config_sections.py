@@ -49,6 +49,8 @@ def _plain_name(value: str) -> str:
 Name = Annotated[str, AfterValidator(_plain_name)]
 Positive = Annotated[int, Field(gt=0)]
 Penalty = Annotated[float, Field(json_schema_extra={"maximum": 0})]
+Device = Literal["auto", "cpu", "cuda"]
+"""Where a part of the run computes (rl/devices.py resolves auto once, on the driver)."""
 
 
 def _ray_address(value: str) -> str:
@@ -179,6 +181,10 @@ class RolloutConfig(Section):
     """Ray CPUs reserved per worker."""
     threads_per_worker: int = Field(1, gt=0)
     """torch threads in each worker."""
+    device: Device = "auto"
+    """Where the workers' engines (and so the evaluations) run. cuda: one GPU per worker, asked
+    of Ray; auto: cuda when a GPU is left for every worker after the learner's, else cpu. An
+    explicit cuda without enough GPUs is refused before anything starts (local Ray)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of rollouts (and of the sampled evaluation)."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -381,6 +387,11 @@ class TrainerConfig(Section):
     AttnRes and router scores stay fp32. none: the model's own dtype throughout."""
     cpus: float = 1.0
     """Ray CPUs reserved for each learner rank."""
+    device: Device = "auto"
+    """Where the learner ranks and the SFT warm start compute. cuda: one GPU per rank, asked of
+    Ray, NCCL between ranks (gloo on cpu), and with world_size > 1 FSDP2 computes in bf16 and
+    reduces gradients in fp32; auto: cuda when there is a GPU for every rank, else cpu. An
+    explicit cuda without enough GPUs is refused before anything starts (local Ray)."""
     world_size: int = Field(1, gt=0)
     """Learner ranks (Ray actors in one placement group, one torch.distributed group; FSDP2)."""
     expert_parallel: int = 1
