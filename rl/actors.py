@@ -276,9 +276,16 @@ def actor_gpus(device: str) -> int:
     return 1 if device == "cuda" else 0
 
 
+def resolved(cfg: RunConfig) -> RunConfig:
+    """`cfg` with its devices resolved (and an explicit cuda checked) against the GPUs of the
+    Ray cluster (rl/devices.py)."""
+    return with_devices(cfg, int(ray.cluster_resources().get("GPU", 0)), "the Ray cluster")
+
+
 def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     """Rank 0's handle; with world_size > 1 the ranks share one placement group and form one
     torch.distributed group before any model is built."""
+    cfg = resolved(cfg)
     t = cfg.trainer
     gpus = actor_gpus(t.device)
     remote = ray.remote(num_cpus=t.cpus, num_gpus=gpus)(LearnerHost)
@@ -289,8 +296,9 @@ def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     pg = placement_group([bundle] * t.world_size, strategy="PACK")
     if not pg.wait(timeout_seconds=t.placement_timeout_s):
         remove_placement_group(pg)
+        shown = ", ".join(f"{k}: {v:g}" for k, v in bundle.items())
         raise RuntimeError(
-            f"could not place {t.world_size} learner ranks x {bundle} within "
+            f"could not place {t.world_size} learner ranks x {{{shown}}} within "
             f"{t.placement_timeout_s:g} s: the cluster has "
             f"{ray.cluster_resources().get('CPU', 0):g} CPUs "
             f"({ray.available_resources().get('CPU', 0):g} free) and "
@@ -315,7 +323,7 @@ def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
 def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     """One learner and `rollout.num_workers` workers, after checking the cluster can hold them
     (devices resolved against the cluster's GPUs if the caller has not: rl/devices.py)."""
-    cfg = with_devices(cfg, int(ray.cluster_resources().get("GPU", 0)), "the Ray cluster")
+    cfg = resolved(cfg)
     t = cfg.trainer
     need = t.world_size * t.cpus + cfg.rollout.num_workers * cfg.rollout.cpus_per_worker
     have = ray.cluster_resources().get("CPU", 0.0)
