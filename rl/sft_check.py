@@ -24,7 +24,8 @@ def token_accuracy(model, examples: list[dict[str, list[int]]]) -> float:
     was_training = model.training
     model.eval()
     correct = total = 0
-    device = next(model.parameters()).device
+    param = next(model.parameters(), None)
+    device = "cpu" if param is None else param.device  # the model's (after SFT on a GPU: it)
     for example in examples:
         ids = torch.tensor([example["input_ids"]], device=device)  # [1, T]
         mask = torch.tensor(example["assistant_masks"][1:], dtype=torch.bool, device=device)
