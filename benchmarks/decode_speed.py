@@ -1,6 +1,7 @@
-"""Rollout decode speed on CPU: K3Policy (k3-tiny) vs transformers' KimiLinear and a dense Qwen3.
+"""Rollout decode speed: K3Policy (k3-tiny) vs transformers' KimiLinear and a dense Qwen3.
 
 Run: .venv/bin/python benchmarks/decode_speed.py [--batches 1 16] [--threads 1 0] [--repeats 3]
+     [--device cpu | cuda]   (cuda: every model on the GPU, timings synchronised; threads moot)
 
 All three models are built from configs (no downloads) on the same k3-tiny-sized shapes and
 get the same prompts (--prompt-len random tokens per row) and generate --new-tokens tokens
@@ -93,13 +94,14 @@ class _Runs(dict):
         self.policy = policy
 
 
-def engines(seed: int = 0):
+def engines(seed: int = 0, device: str = "cpu"):
     cfg = k3_preset("k3-tiny")
     torch.manual_seed(seed)
-    ours = K3Policy(K3ForCausalLM(cfg).eval(), max_batch=64)
+    ours = K3Policy(K3ForCausalLM(cfg).eval().to(device), max_batch=64)
     total = count_parameters(cfg)["total"]
-    kimi = kimi_linear_peer(cfg)
+    kimi = kimi_linear_peer(cfg).to(device)
     qwen, intermediate = qwen3_peer(cfg, total)
+    qwen = qwen.to(device)
     sizes = {
         "ours (K3Policy, k3-tiny)": total,
         "KimiLinearForCausalLM.generate": sum(p.numel() for p in kimi.parameters()),
@@ -123,7 +125,7 @@ def measure(runs, batch: int, args) -> dict[str, tuple[float, float]]:
     """name -> (end-to-end tokens/s, decode-only tokens/s). Decode-only divides the tokens after
     the first by the time a full run takes beyond a one-token run (prefill + first token)."""
     gen = torch.Generator().manual_seed(batch)
-    ids_BP = torch.randint(1, 768, (batch, args.prompt_len), generator=gen)
+    ids_BP = torch.randint(1, 768, (batch, args.prompt_len), generator=gen).to(args.device)
     for run in runs.values():
         run(ids_BP, 2)  # warm-up
     full, first = dict.fromkeys(runs, float("inf")), dict.fromkeys(runs, float("inf"))
@@ -132,12 +134,24 @@ def measure(runs, batch: int, args) -> dict[str, tuple[float, float]]:
             for new_tokens, best in ((args.new_tokens, full), (1, first)):
                 start = time.perf_counter()
                 run(ids_BP, new_tokens)
+                sync(args.device)
                 best[name] = min(best[name], time.perf_counter() - start)
     tokens = batch * args.new_tokens
     return {
         name: (tokens / full[name], batch * (args.new_tokens - 1) / (full[name] - first[name]))
         for name in runs
     }
+
+
+def sync(device: str) -> None:
+    """Wait for the GPU's queued work (a CUDA call returns before it has run)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def machine(device: str) -> str:
+    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    return f"{torch.cuda.get_device_name()}, {cpu}" if device == "cuda" else cpu
 
 
 def prefill_strategies(policy: K3Policy, repeats: int) -> None:
@@ -160,6 +174,7 @@ def prefill_strategies(policy: K3Policy, repeats: int) -> None:
                 start = time.perf_counter()
                 for group in groups:
                     policy.prefill(group, plan)
+                sync(policy.device.type)
                 best[name] = min(best[name], time.perf_counter() - start)
     print(f"\nprefill, 16 prompts of {min(lengths)}..{max(lengths)} tokens ({sum(lengths):,} in "
           f"all), {torch.get_num_threads()} thread(s):\n")  # fmt: skip
@@ -176,10 +191,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-prefill-table", action="store_true")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     default_threads = torch.get_num_threads()
-    runs, sizes = engines()
-    print(f"# decode speed: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+    runs, sizes = engines(device=args.device)
+    print(f"# decode speed: {machine(args.device)}, "
           f"torch {torch.__version__}, prompts {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens, greedy, best of {args.repeats}\n")  # fmt: skip
     for name, size in sizes.items():

@@ -2,6 +2,7 @@
 + AdamW step, on the same model and the same batch of trajectories.
 
     .venv/bin/python benchmarks/learner_speed.py [--batch 128] [--prompt 170] [--completion 32]
+        [--device cpu | cuda]   (cuda: both on the GPU in fp32; TRL with use_cpu=False)
 
 Both sides see identical token ids, completion masks, advantages and on-policy old logprobs
 (ratio 1), and use the same loss (TRL `loss_type="grpo"`: sequence-mean of token-mean). The run
@@ -84,6 +85,7 @@ def ours(model, groups, args):
         lr=1e-6,
         threads=args.threads,
     )
+    model = model.to(args.device)
     learner = Learner(cfg, model=model, source=Source(groups), pad_token_id=0, temperature=1.0)
 
     def step():
@@ -105,7 +107,7 @@ def trl(model, prompts, completions, rewards, args):
     tokenizer = build_tokenizer(["hello world"] * 10, vocab_size=300)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         bf16=False,
         gradient_checkpointing=False,
         per_device_train_batch_size=args.micro,
@@ -138,6 +140,7 @@ def trl(model, prompts, completions, rewards, args):
         "advantages": adv.view(-1),
         "num_items_in_batch": torch.tensor(float(completions.numel())),
     }
+    inputs = {k: v.to(trainer.model.device) for k, v in inputs.items()}
     optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-6)
 
     def step():
@@ -157,6 +160,10 @@ def trl(model, prompts, completions, rewards, args):
     return step
 
 
+def where(device: str) -> str:
+    return f"on {torch.cuda.get_device_name()}" if device == "cuda" else "on the CPU"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, default=128)
@@ -166,6 +173,7 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     base = build_model("qwen3", MODEL, vocab_size=768, seed=0).eval()
@@ -182,12 +190,15 @@ def main() -> None:
         for name, run in runners.items():
             start = time.perf_counter()
             losses[name] = run()
+            if args.device == "cuda":
+                torch.cuda.synchronize()  # the optimizer step is queued, not done
             best[name] = min(best[name], time.perf_counter() - start)
     tokens = args.batch * (args.prompt + args.completion)
     print(
         f"\n{args.batch} trajectories x ({args.prompt} prompt + {args.completion} completion) "
         f"tokens, "
-        f"micro-batch {args.micro}, {args.threads} threads, best of {args.repeats}\n"
+        f"micro-batch {args.micro}, {args.threads} threads, {where(args.device)}, "
+        f"best of {args.repeats}\n"
     )
     print("| learner step | seconds | tokens/s | vs TRL | last loss |\n|---|---|---|---|---|")
     trl_s = best["TRL GRPOTrainer loss+backward+AdamW"]

@@ -27,8 +27,8 @@ the same sequence of forward passes (each MoE layer exchanges tokens with the ot
 
 On every learner rank (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set by the launcher):
 
-    dist.init_process_group("gloo")                        # "nccl" on GPUs
-    meshes = build_meshes(ep_size=2)
+    dist.init_process_group("gloo")          # GPUs: "cpu:gloo,cuda:nccl", model on the GPU
+    meshes = build_meshes(ep_size=2)         # GPUs: device_type="cuda"
     model = parallelize(build_policy(seed=0), meshes)      # in place; returns the model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)   # after parallelize: DTensor params
     stats = RouterStats(model)
@@ -94,7 +94,8 @@ class TrainMeshes:
 
 def build_meshes(*, ep_size: int, device_type: str = "cpu") -> TrainMeshes:
     """Meshes over the default process group (call `dist.init_process_group` first, on every
-    rank). device_type "cpu" (gloo) or "cuda" (NCCL)."""
+    rank). device_type "cpu" (gloo) or "cuda" (NCCL; a group with a gloo backend for CPU
+    tensors too, "cpu:gloo,cuda:nccl", keeps CPU-side collectives working)."""
     world = dist.get_world_size()
     if ep_size < 1 or world % ep_size:
         raise ValueError(f"ep_size must divide the world size {world}, got {ep_size}")

@@ -24,6 +24,7 @@ from policy.sampling import SamplingParams
 from rl.build import build_learner, build_worker, stream_names
 from rl.config import RunConfig
 from rl.console import configure_from_env
+from rl.devices import torch_device, with_devices
 from rl.distributed import Shard, init_group
 from rl.launch import rendezvous
 from rl.placement import PlacementError, check_cluster, demands, ray_options, unplaced
@@ -160,7 +161,8 @@ class LearnerHost:
     ):
         _quiet()
         self.args = (cfg, Path(model_dir), redis_url, run_id)
-        self.shard = Shard(rank, world, cfg.trainer.expert_parallel)
+        device = torch_device(cfg.trainer.device).type  # resolved on the driver (rl/devices.py)
+        self.shard = Shard(rank, world, cfg.trainer.expert_parallel, device)
         self.followers: list = []
         self.learner = None
         self.publisher = Publisher(self._export_all, bucket_mb=cfg.weights.bucket_mb)
@@ -173,7 +175,10 @@ class LearnerHost:
     def setup(self, address: str | None = None, port: int | None = None) -> None:
         cfg = self.args[0]
         if self.shard.world > 1:
-            init_group(address, port, self.shard.rank, self.shard.world, cfg.weights.push_timeout_s)
+            init_group(
+                address, port, self.shard.rank, self.shard.world, cfg.weights.push_timeout_s,
+                self.shard.device,
+            )  # fmt: skip
         self.learner = build_learner(*self.args, shard=self.shard)
 
     def attach(self, followers: list) -> None:
@@ -270,9 +275,16 @@ class LearnerHost:
         return self.learner.last_acked
 
 
+def resolved(cfg: RunConfig) -> RunConfig:
+    """`cfg` with its devices resolved (and an explicit cuda checked) against the GPUs of the
+    Ray cluster (rl/devices.py)."""
+    return with_devices(cfg, int(ray.cluster_resources().get("GPU", 0)), "the Ray cluster")
+
+
 def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     """Rank 0's handle; with world_size > 1 the ranks share one placement group and form one
     torch.distributed group before any model is built."""
+    cfg = resolved(cfg)
     t = cfg.trainer
     request = t.ray_resources
     remote = ray.remote(**ray_options(request))(LearnerHost)
@@ -302,7 +314,9 @@ def start_learner(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
 
 def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     """One learner and `rollout.num_workers` workers, after checking the cluster can hold them
-    (rl/placement.py; rl/loop.py checks once before any work already)."""
+    (rl/placement.py; rl/loop.py checks once before any work already), with its devices resolved
+    against the cluster's GPUs if the caller has not (rl/devices.py)."""
+    cfg = resolved(cfg)
     check_cluster(cfg)
     r = cfg.rollout
     retries = -1 if cfg.trainer.mode == "async" else 0  # `serve` resumes after a restart

@@ -9,6 +9,7 @@ PPO's value head estimates the value of the state the turn acts in.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,13 @@ class TrainBatch:
     @property
     def size(self) -> int:
         return self.input_ids_NT.shape[0]
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch with every tensor on `device` (itself when they already are)."""
+        if self.input_ids_NT.device == torch.device(device):
+            return self
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return TrainBatch(*(None if x is None else x.to(device) for x in values))
 
     def rows(self, index: torch.Tensor) -> TrainBatch:
         """A micro-batch, trimmed to its own longest sequence."""
@@ -174,7 +182,7 @@ def spread_turn_values(values_NK: torch.Tensor, batch: TrainBatch) -> torch.Tens
     width = out.shape[1]
     for k in range(batch.turn_pos_NK.shape[1]):
         start = batch.turn_pos_NK[:, k]
-        positions = torch.arange(width)[None, :]
+        positions = torch.arange(width, device=out.device)[None, :]
         after = (positions >= start[:, None]) & (batch.turn_mask_NK[:, k : k + 1] > 0)
         out = torch.where(after, values_NK[:, k : k + 1].to(out.dtype), out)
     return out * batch.loss_mask_NT

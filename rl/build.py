@@ -19,6 +19,7 @@ from policy.sampling import SamplingParams
 from policy.tokenizer import build_tokenizer, render_conversations
 from reward import build_reward
 from rl.config import RolloutConfig, RunConfig
+from rl.devices import torch_device
 from rl.distributed import Shard
 from rl.learner import Learner
 from rl.sft import expert_demonstrations
@@ -83,8 +84,9 @@ def build_worker(
 ) -> RolloutWorker:
     torch.set_num_threads(cfg.rollout.threads_per_worker)
     renderer = ChatRenderer(load_tokenizer(model_dir))
+    device = torch_device(cfg.rollout.device)
     policy = rollout_policy(
-        load_model(model_dir),
+        load_model(model_dir).to(device),  # engines, caches and pushes follow the model
         pad_token_id=renderer.pad_token_id,
         seed=cfg.seed * 1000 + index,
         record_routing=cfg.rollout.record_routing,
@@ -104,7 +106,7 @@ def build_worker(
         limits=EpisodeLimits(max_turns=cfg.rollout.max_turns, max_seq_len=cfg.rollout.max_seq_len),
         max_episodes=cfg.rollout.max_episodes,
         tool_timeout_s=cfg.rollout.tool_timeout_s,
-        cache_budget=cache_budget(cfg),
+        cache_budget=cache_budget(cfg, device),
     )
 
 
@@ -120,11 +122,14 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def cache_budget(cfg: RunConfig) -> int:
+def cache_budget(cfg: RunConfig, device: torch.device | None = None) -> int:
     """A worker's decode-cache budget in bytes: rollout.cache_budget_mb, or by default half of
-    the memory available when the worker starts, shared by the run's workers."""
+    the memory available when the worker starts: on the CPU shared by the run's workers, on a
+    GPU half of the free memory of the worker's own GPU (each cuda worker reserves one)."""
     if cfg.rollout.cache_budget_mb is not None:
         return int(cfg.rollout.cache_budget_mb * 2**20)
+    if device is not None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 2
     return available_memory() // 2 // max(1, cfg.rollout.num_workers)
 
 
@@ -142,7 +147,7 @@ def build_learner(
     cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str, shard: Shard | None = None
 ) -> Learner:
     """A learner rank; only rank 0 reads (and acks) the trajectory stream."""
-    shard = shard or Shard()
+    shard = shard or Shard(device=torch_device(cfg.trainer.device).type)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(learner_threads(cfg))
     tokenizer = load_tokenizer(model_dir)
@@ -156,7 +161,7 @@ def build_learner(
         )
     return Learner(
         cfg.trainer,
-        model=load_model(model_dir),
+        model=load_model(model_dir).to(torch_device(shard.device)),  # the learner follows it
         source=reader,
         pad_token_id=tokenizer.pad_token_id,
         temperature=cfg.rollout.temperature,

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from rl.config import ConfigError, RunConfig, load_config, run_file_schema
+from rl.devices import check_devices
 from rl.trackers import check_installed
 
 
@@ -58,6 +59,7 @@ def load(args) -> RunConfig:
     cfg = load_config(args.config, args.overrides)
     _check_env(cfg)
     check_installed(cfg)  # metrics.wandb / metrics.mlflow on without its package
+    check_devices(cfg)  # an explicit cuda this machine cannot serve (local Ray)
     return cfg
 
 

@@ -50,6 +50,8 @@ def _plain_name(value: str) -> str:
 Name = Annotated[str, AfterValidator(_plain_name)]
 Positive = Annotated[int, Field(gt=0)]
 Penalty = Annotated[float, Field(json_schema_extra={"maximum": 0})]
+Device = Literal["auto", "cpu", "cuda"]
+"""Where a part of the run computes (rl/devices.py resolves auto once, on the driver)."""
 
 
 def _ray_address(value: str) -> str:
@@ -225,6 +227,10 @@ class RolloutConfig(Section):
     first."""
     threads_per_worker: int = Field(1, gt=0)
     """torch threads in each worker."""
+    device: Device = "auto"
+    """Where the workers' engines (and so the evaluations) run. cuda: one GPU per worker, asked
+    of Ray; auto: cuda when a GPU is left for every worker after the learner's, else cpu. An
+    explicit cuda without enough GPUs is refused before anything starts (local Ray)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of rollouts (and of the sampled evaluation)."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -266,8 +272,8 @@ class RolloutConfig(Section):
 
     @property
     def ray_resources(self) -> dict[str, float]:
-        """What one worker asks Ray for."""
-        return ask(self.cpus_per_worker, self.resources)
+        """What one worker asks Ray for (a GPU on cuda; resolve `auto` first: rl/devices.py)."""
+        return ask(self.cpus_per_worker, self.resources, self.device)
 
 
 class SFTConfig(Section):

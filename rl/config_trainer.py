@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from rl.config_errors import ConfigError
-from rl.config_sections import Section
+from rl.config_sections import Device, Section
 from rl.placement import Resources, ask, fold_cpus
 
 Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"]
@@ -93,6 +93,11 @@ class TrainerConfig(Section):
     resources: Resources = Field(default_factory=dict)
     """Ray resources each learner rank asks for besides its CPUs, e.g. {GPU: 1, learner: 1};
     CPU here replaces trainer.cpus. Checked against the cluster before anything starts."""
+    device: Device = "auto"
+    """Where the learner ranks and the SFT warm start compute. cuda: one GPU per rank, asked of
+    Ray, NCCL between ranks (gloo on cpu), and with world_size > 1 FSDP2 computes in bf16 and
+    reduces gradients in fp32; auto: cuda when there is a GPU for every rank, else cpu. An
+    explicit cuda without enough GPUs is refused before anything starts (local Ray)."""
     world_size: int = Field(1, gt=0)
     """Learner ranks (Ray actors in one placement group, one torch.distributed group; FSDP2)."""
     expert_parallel: int = 1
@@ -116,7 +121,7 @@ class TrainerConfig(Section):
     @property
     def ray_resources(self) -> dict[str, float]:
         """What one learner rank asks Ray for."""
-        return ask(self.cpus, self.resources)
+        return ask(self.cpus, self.resources, self.device)
 
     @model_validator(mode="after")
     def _ranks(self) -> TrainerConfig:

@@ -5,6 +5,11 @@ communication; with W ranks, rank 0 reads the stream and shares the batch, every
 its slice of the trajectories (the same number of micro-batches on every rank, as expert
 parallelism exchanges tokens in every forward), gradients are summed by FSDP2, metric sums are
 all-reduced, and full weights are gathered for a push. Letters: N = trajectories.
+
+On CUDA the group has two backends (`backend_for`): NCCL for CUDA tensors (FSDP2's gathers and
+reductions, expert all-to-alls, the batch-wide logprob rows) and gloo for CPU tensors (the
+msgpack batch and the metric sums below, checkpoint coordination), each collective picking by
+its tensor's device. With several ranks FSDP2 computes in bf16 and reduces in fp32 on CUDA.
 """
 
 from __future__ import annotations
@@ -22,9 +27,21 @@ from rollout.codec import decode_group, encode_group
 from rollout.types import TrajectoryGroup
 
 
-def init_group(address: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+def backend_for(device: str) -> str:
+    """The torch.distributed backend of a learner group on `device` ("cpu" or "cuda"): gloo on
+    the CPU; on CUDA, NCCL for CUDA tensors with gloo kept for CPU tensors."""
+    if device == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    if device == "cpu":
+        return "gloo"
+    raise ValueError(f"device must be cpu or cuda (resolve auto first), got {device!r}")
+
+
+def init_group(
+    address: str, port: int, rank: int, world: int, timeout_s: float, device: str = "cpu"
+) -> None:
     dist.init_process_group(
-        "gloo",
+        backend_for(device),
         init_method=f"tcp://{address}:{port}",
         rank=rank,
         world_size=world,
@@ -32,15 +49,16 @@ def init_group(address: str, port: int, rank: int, world: int, timeout_s: float)
     )
 
 
-def init_single() -> None:
+def init_single(device: str = "cpu") -> None:
     """A one-rank group, so collective helpers (e.g. MoE router statistics) work unchanged."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        store = dist.HashStore()
+        dist.init_process_group(backend_for(device), store=store, rank=0, world_size=1)
 
 
 class Shard:
-    def __init__(self, rank: int = 0, world: int = 1, ep_size: int = 1):
-        self.rank, self.world, self.ep_size = rank, world, ep_size
+    def __init__(self, rank: int = 0, world: int = 1, ep_size: int = 1, device: str = "cpu"):
+        self.rank, self.world, self.ep_size, self.device = rank, world, ep_size, device
 
     @property
     def leader(self) -> bool:
@@ -50,9 +68,15 @@ class Shard:
         """FSDP2 (+ expert parallel) when there are several ranks; the model itself otherwise."""
         if self.world == 1:
             return model
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         from policy.parallel import build_meshes, parallelize
 
-        return parallelize(model, build_meshes(ep_size=self.ep_size))
+        meshes = build_meshes(ep_size=self.ep_size, device_type=self.device)
+        mixed = None  # CPU: the model's own dtype throughout
+        if self.device == "cuda":
+            mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return parallelize(model, meshes, mp_policy=mixed)
 
     def share_groups(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
         """Rank 0's groups on every rank (msgpack bytes, never pickle)."""

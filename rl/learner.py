@@ -79,13 +79,14 @@ class Learner:
         if cfg.kl_coef > 0:  # kept whole on every rank: its forward needs no collectives
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.model = model.eval()  # eval: no dropout in RL
+        self.device = next(model.parameters()).device  # batches follow the model (cpu / cuda)
         _check_segments(cfg, model)
         trunk = TokenLogprobs(self.model, segment_tokens=cfg.segment_tokens)
         self.trunk = self.shard.prepare_model(trunk)  # sharded from here
         self.value_head = None
         params = list(self.trunk.parameters())
         if self.algo.critic:
-            self.value_head = torch.nn.Linear(model.config.hidden_size, 1)
+            self.value_head = torch.nn.Linear(model.config.hidden_size, 1, device=self.device)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
             params += list(self.value_head.parameters())
@@ -141,6 +142,7 @@ class Learner:
         metrics = {"learner/dropped_groups": float(dropped), "learner/wait_seconds": wait}
         if groups:
             batch = pack(groups, pad_token_id=self.pad_token_id, advantages=self.algo.advantages)
+            batch = batch.to(self.device)
             metrics.update(self._train(batch))
             metrics["learner/policy_lag"] = (self.version - batch.versions_N.float()).mean().item()
             metrics["learner/tokens_per_s"] = float(batch.attention_mask_NT.sum()) / (
@@ -219,11 +221,12 @@ class Learner:
         need_logp = self.cfg.off_policy == "decoupled"
         if not (need_logp or self.algo.critic or self.reference is not None):
             return Prepared()
+        zeros_NT, zeros_NK = batch.loss_mask_NT.new_zeros, batch.turn_mask_NK.new_zeros
         shape_NT, shape_NK = batch.loss_mask_NT.shape, batch.turn_mask_NK.shape
         prep = Prepared(
-            learner_logp_NT=torch.zeros(shape_NT) if need_logp else None,
-            values_NK=torch.zeros(shape_NK) if self.algo.critic else None,
-            ref_logp_NT=torch.zeros(shape_NT) if self.reference is not None else None,
+            learner_logp_NT=zeros_NT(shape_NT) if need_logp else None,
+            values_NK=zeros_NK(shape_NK) if self.algo.critic else None,
+            ref_logp_NT=zeros_NT(shape_NT) if self.reference is not None else None,
         )
         for index, scale in _pieces(pieces):
             mb = batch.rows(index)
@@ -420,7 +423,7 @@ def _router_stats(model):
         return None
     from rl.distributed import init_single
 
-    init_single()
+    init_single(next(model.parameters()).device.type)
     return RouterStats(model)
 
 
@@ -434,7 +437,7 @@ def _turn_rewards(batch: TrainBatch) -> torch.Tensor:
     """[N, K]: the trajectory's reward on its last turn (outcome rewards), 0 elsewhere."""
     last_NK = torch.zeros_like(batch.turn_mask_NK)
     count_N = batch.turn_mask_NK.sum(-1).long()
-    rows = torch.arange(batch.size)[count_N > 0]
+    rows = torch.arange(batch.size, device=count_N.device)[count_N > 0]
     last_NK[rows, count_N[count_N > 0] - 1] = 1
     return last_NK * batch.rewards_N[:, None]
 

@@ -76,7 +76,8 @@ def staleness_metrics(
 def length_metrics(mask_NT: torch.Tensor) -> dict[str, float]:
     """Sampled tokens per trajectory: mean, median, 90th percentile (linear), max."""
     lengths_N = (mask_NT > 0).sum(-1).double()
-    p50, p90 = torch.quantile(lengths_N, torch.tensor([0.5, 0.9], dtype=torch.float64)).tolist()
+    q = torch.tensor([0.5, 0.9], dtype=torch.float64, device=lengths_N.device)
+    p50, p90 = torch.quantile(lengths_N, q).tolist()
     return {
         "learner/gen_len_mean": float(lengths_N.mean()),
         "learner/gen_len_p50": p50,

@@ -67,6 +67,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
 
     run_id = run_dir.name
     with services(cfg, run_dir) as svc:
+        cfg = resolved_devices(cfg)
         check_cluster(cfg)  # before any work: a request the cluster cannot meet fails now
         say(f"run directory: {run_dir}")
         checkpoint, state = load_latest(run_dir, rng=resume.rng) if resume else (None, None)
@@ -116,6 +117,20 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
     return summary
 
 
+def resolved_devices(cfg: RunConfig) -> RunConfig:
+    """`cfg` with trainer.device and rollout.device resolved against the GPUs Ray has."""
+    from rl.devices import with_devices
+
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    out = with_devices(cfg, gpus, "the Ray cluster")
+    say(
+        f"devices: learner {out.trainer.device} (trainer.device: {cfg.trainer.device}), "
+        f"rollout workers {out.rollout.device} (rollout.device: {cfg.rollout.device}); "
+        f"{gpus} GPU(s) in Ray"
+    )
+    return out
+
+
 def warm_start(cfg: RunConfig, run_dir: Path) -> tuple[RunState, dict[str, float]]:
     """A fresh policy, then (if enabled) SFT on the expert's demonstrations with TRL; returns
     the run state and the SFT figures on held-out demonstrations (rl/sft_check.py)."""
@@ -123,7 +138,8 @@ def warm_start(cfg: RunConfig, run_dir: Path) -> tuple[RunState, dict[str, float
     if not cfg.sft.enabled:
         return RunState.start(cfg.seed, model_dir, "init"), {}
     from policy.hf import load_model
-    from rl.sft import expert_demonstrations, run_sft, sft_examples
+    from rl.devices import sft_device
+    from rl.sft import expert_demonstrations, release_gpu, run_sft, sft_examples
     from rl.sft_check import heldout_report
 
     tokenizer = _tokenizer(model_dir)
@@ -137,11 +153,14 @@ def warm_start(cfg: RunConfig, run_dir: Path) -> tuple[RunState, dict[str, float
     )
     model = load_model(model_dir)
     examples = sft_examples(ChatRenderer(tokenizer), demos)
-    stats = run_sft(cfg, model, tokenizer, examples, run_dir / "sft")
+    device = sft_device(cfg)
+    stats = run_sft(cfg, model, tokenizer, examples, run_dir / "sft", device=device)
     out = run_dir / "sft-model"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     report = heldout_report(cfg, model, ChatRenderer(tokenizer))
+    if device == "cuda":  # the learner and the workers may use this GPU next
+        release_gpu(model)
     say(
         f"SFT done in {stats['sft/seconds']:.0f} s (mean loss {stats['sft/loss']:.3f}; token "
         f"accuracy on held-out demonstrations {report['sft/token_accuracy']:.1%})"

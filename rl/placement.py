@@ -73,9 +73,13 @@ def fold_cpus(section: Any, key: str) -> None:
     setattr(section, key, cpus)
 
 
-def ask(cpus: float, resources: dict[str, float]) -> dict[str, float]:
-    """One actor's request to Ray: its CPUs plus `resources`, without zero amounts."""
-    return {name: amount for name, amount in {"CPU": cpus, **resources}.items() if amount > 0}
+def ask(cpus: float, resources: dict[str, float], device: str = "cpu") -> dict[str, float]:
+    """One actor's request to Ray: its CPUs plus `resources`, without zero amounts; on a cuda
+    device one GPU unless `resources` says how many (`auto` counts as cpu: resolve it first,
+    rl/devices.py)."""
+    gpu = {"GPU": 1.0} if device == "cuda" and "GPU" not in resources else {}
+    merged = {"CPU": cpus, **gpu, **resources}
+    return {name: amount for name, amount in merged.items() if amount > 0}
 
 
 def ray_options(request: dict[str, float]) -> dict[str, Any]:

@@ -40,8 +40,11 @@ def sft_examples(renderer: ChatRenderer, demos) -> list[dict[str, list[int]]]:
     return out
 
 
-def run_sft(cfg: RunConfig, model, tokenizer, examples, out_dir: Path) -> dict[str, float]:
-    """Train `model` in place; returns the final training loss and wall seconds."""
+def run_sft(
+    cfg: RunConfig, model, tokenizer, examples, out_dir: Path, *, device: str = "cpu"
+) -> dict[str, float]:
+    """Train `model` in place on `device` ("cpu" or "cuda": the model is left there); returns
+    the final training loss and wall seconds."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -50,7 +53,10 @@ def run_sft(cfg: RunConfig, model, tokenizer, examples, out_dir: Path) -> dict[s
         warnings.filterwarnings(
             "ignore", message=".*gradient_checkpointing.*", category=FutureWarning
         )
-        args = _sft_args(cfg, out_dir, steps_per_epoch, SFTConfig)
+        args = _sft_args(cfg, out_dir, steps_per_epoch, SFTConfig, device=device)
+    if device == "cuda":  # one GPU: with several visible, transformers would use DataParallel
+        _ = args.device  # (and multiply the batch); it sets n_gpu here, so override after
+        args._n_gpu = 1
     trainer = SFTTrainer(
         model=model,
         args=args,
@@ -62,7 +68,24 @@ def run_sft(cfg: RunConfig, model, tokenizer, examples, out_dir: Path) -> dict[s
     return {"sft/loss": float(result.training_loss), "sft/seconds": time.perf_counter() - start}
 
 
-def _sft_args(cfg: RunConfig, out_dir: Path, steps_per_epoch: int, config_cls):
+def release_gpu(model) -> None:
+    """Move a model off the GPU and hand the driver's cached GPU memory back."""
+    import gc
+
+    import torch
+
+    model.to("cpu")
+    gc.collect()  # the trainer's optimizer state and gradients are in reference cycles
+    torch.cuda.empty_cache()
+
+
+def _sft_args(
+    cfg: RunConfig, out_dir: Path, steps_per_epoch: int, config_cls, *, device: str = "cpu"
+):
+    """TRL's SFTConfig for the run: on the CPU (use_cpu) unless `device` is "cuda"; fp32 either
+    way (bf16 SFT is not measured yet, so it is not on)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"SFT device must be cpu or cuda, got {device!r}")
     return config_cls(
         output_dir=str(out_dir),
         num_train_epochs=cfg.sft.epochs,
@@ -73,7 +96,7 @@ def _sft_args(cfg: RunConfig, out_dir: Path, steps_per_epoch: int, config_cls):
         logging_steps=max(1, steps_per_epoch // 2),
         report_to=["tensorboard"],
         save_strategy="no",
-        use_cpu=True,
+        use_cpu=device != "cuda",
         bf16=False,
         gradient_checkpointing=False,
         max_length=None,

@@ -24,9 +24,11 @@ def token_accuracy(model, examples: list[dict[str, list[int]]]) -> float:
     was_training = model.training
     model.eval()
     correct = total = 0
+    param = next(model.parameters(), None)
+    device = "cpu" if param is None else param.device  # the model's (after SFT on a GPU: it)
     for example in examples:
-        ids = torch.tensor([example["input_ids"]])  # [1, T]
-        mask = torch.tensor(example["assistant_masks"][1:], dtype=torch.bool)  # [T-1]
+        ids = torch.tensor([example["input_ids"]], device=device)  # [1, T]
+        mask = torch.tensor(example["assistant_masks"][1:], dtype=torch.bool, device=device)
         predicted = model(input_ids=ids).logits[0, :-1].argmax(-1)  # [T-1]
         correct += int((predicted[mask] == ids[0, 1:][mask]).sum())
         total += int(mask.sum())

@@ -59,3 +59,19 @@ def redis_server(tmp_path):
     server = start_redis(tmp_path / "redis")
     yield server
     server.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (tests/gpu/) skip, with the reason, where torch sees no CUDA GPU."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    reason = "needs a CUDA GPU: torch.cuda.is_available() is False"
+    if torch.version.cuda is None:
+        reason += f" (torch {torch.__version__} is a CPU build)"
+    for item in marked:
+        item.add_marker(pytest.mark.skip(reason=reason))
