@@ -318,6 +318,9 @@ class TrainerConfig:
     compute at the same time)."""
     read_timeout_s: float = 300.0
     """Give up (with an error) if the stream yields no group for this long."""
+    max_skipped_steps: int = 3
+    """Stop the run (with an error naming the steps) after this many learner steps in a row
+    whose every optimizer step was skipped for a NaN/Inf loss or gradient (0: never stop)."""
     mode: Literal["sync", "async"] = "sync"
     """sync: generate a batch, train on it, push, repeat. async: workers never wait for the
     learner; it trains on groups as they arrive, within max_staleness versions."""
@@ -342,6 +345,7 @@ class TrainerConfig:
         if self.autocast not in ("none", "bf16"):
             raise ConfigError("autocast", f"must be none or bf16, got {self.autocast!r}")
         _positive("read_timeout_s", self.read_timeout_s)
+        _positive("max_skipped_steps", self.max_skipped_steps, zero_ok=True)
         _positive("world_size", self.world_size)
         _positive("placement_timeout_s", self.placement_timeout_s)
         _positive("max_staleness", self.max_staleness, zero_ok=True)
