@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from policy.hf import import_weights
 from policy.sampling import SamplingParams
+from rl import faults
 from rl.build import build_learner, build_worker, stream_names
 from rl.config import RunConfig
 from rl.console import configure_from_env
@@ -224,6 +225,7 @@ class LearnerHost:
     def save_checkpoint(self, path: str) -> str:
         pending = self._fan_out("save_checkpoint", path)
         self.learner.save(Path(path))
+        faults.disk_full(Path(path), self.learner.version, self.shard.rank)
         ray.get(pending)
         return self.learner.last_acked
 
