@@ -124,6 +124,7 @@ class WorkerHost:
         return self.worker.evaluate(seeds, samples, sampling)
 
     def receive_object_store(self, manifest: Manifest, refs: list) -> int:
+        faults.kill_on_push(self.index, self.starts, manifest.version)
         return self.receiver.receive_object_store(manifest, refs)
 
     def join_broadcast(
@@ -132,6 +133,7 @@ class WorkerHost:
         self.receiver.join(address, port, rank, world, timeout_s)
 
     def receive_broadcast(self, manifest: Manifest) -> int:
+        faults.kill_on_push(self.index, self.starts, manifest.version)
         return self.receiver.receive_broadcast(manifest)
 
     def version(self) -> int:

@@ -18,6 +18,7 @@ from policy.hf import build_model, load_model, load_tokenizer
 from policy.sampling import SamplingParams
 from policy.tokenizer import build_tokenizer, render_conversations
 from reward import build_reward
+from rl import faults
 from rl.config import RolloutConfig, RunConfig
 from rl.distributed import Shard
 from rl.learner import Learner
@@ -99,7 +100,7 @@ def build_worker(
         env_id=cfg.env.id,
         policy=policy,
         renderer=renderer,
-        scorer=build_reward(cfg.reward.weights()),
+        scorer=faults.reward(build_reward(cfg.reward.weights())),  # rl/faults.py
         sink=sink,
         limits=EpisodeLimits(max_turns=cfg.rollout.max_turns, max_seq_len=cfg.rollout.max_seq_len),
         max_episodes=cfg.rollout.max_episodes,

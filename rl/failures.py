@@ -3,9 +3,10 @@
 `RunAborted` is raised by the driver when the run must not go on (the learner skipped
 `trainer.max_skipped_steps` steps in a row for a non-finite loss). `explain(exc, run_dir)` turns
 the faults the chaos suite injects into such a message: the learner's process died, the disk
-filled up, Redis was lost for good. Every message names the last complete checkpoint and the
-command that continues the run: nothing acknowledged is lost (Redis keeps every acknowledged
-write in its AOF, and the checkpoint never names an incomplete directory).
+filled up, Redis was lost for good, a weight push failed or timed out (naming the workers).
+Every message names the last complete checkpoint and the command that continues the run:
+nothing acknowledged is lost (Redis keeps every acknowledged write in its AOF, and the
+checkpoint never names an incomplete directory).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import ray
 import redis
 
 from rl.launch import LaunchError
+from rl.weights import WeightPushRejected, WeightPushTimeout
 
 
 class RunAborted(RuntimeError):
@@ -42,6 +44,8 @@ def explain(exc: BaseException, run_dir: Path) -> str | None:
     for err in _chain(exc):
         if isinstance(err, RunAborted | LaunchError):
             return str(err)
+        if isinstance(err, WeightPushTimeout | WeightPushRejected):
+            return f"{err}; the run stops. {_resume(run_dir)}"
         if isinstance(err, ray.exceptions.RayActorError):
             return _actor_died(err, run_dir)
         if isinstance(err, OSError) and err.errno == errno.ENOSPC:

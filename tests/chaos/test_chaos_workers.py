@@ -26,3 +26,21 @@ def test_a_killed_worker_is_restarted_and_its_episodes_retried(tmp_path):
     assert max(r.get("workers/restarted", 0) for r in records) >= 1
     assert sum(r.get("workers/restored_episodes", 0) for r in records) > 0
     check_books(account(run_dir), steps, "kill a rollout worker")
+
+
+def test_a_weight_push_to_a_killed_worker_reaches_its_restart(tmp_path):
+    """Worker 1 is SIGKILLed when the push of version 2 reaches it: Ray restarts it and retries
+    the push on the new incarnation (max_task_retries=-1), which installs version 2 (the driver
+    checks every worker reports it); its tasks are reclaimed; the run finishes."""
+    steps = 5
+    proc = train(
+        [CONFIG, *overrides(tmp_path, steps)], env={"AGENTRL_FAULT_KILL_WORKER_ON_PUSH": "1:2"}
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_dir = run_dir_of(tmp_path)
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert max(r.get("workers/restarted", 0) for r in records) >= 1
+    push = {r["step"]: r["weights/push_seconds"] for r in records}
+    print(f"[a weight push to a dead worker] push seconds by step: {push}")
+    check_books(account(run_dir), steps, "a weight push to a dead worker")
