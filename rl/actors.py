@@ -13,7 +13,6 @@ import threading
 from pathlib import Path
 
 import ray
-import redis
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoModelForCausalLM
@@ -25,7 +24,7 @@ from rl.build import build_learner, build_worker, stream_names
 from rl.config import RunConfig
 from rl.console import configure_from_env
 from rl.distributed import Shard, init_group
-from rl.launch import rendezvous
+from rl.launch import connect, rendezvous
 from rl.weights import Manifest, Publisher, Receiver, connect_broadcast
 from rollout.worker import Task
 
@@ -57,7 +56,7 @@ class WorkerHost:
         self.starts = 1  # incarnations of this worker (Ray restarts it after a crash)
         if redis_url is not None:
             key = f"{stream_names(run_id)['prefix']}:starts:worker-{index}"
-            self.starts = int(redis.Redis.from_url(redis_url).incr(key))
+            self.starts = int(connect(redis_url).incr(key))
 
     def _install(self, version: int, weights, expected) -> None:
         with self.lock:

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import gymnasium
-import redis
 import torch
 
 import envs  # registers the built-in envs with gymnasium
@@ -21,6 +20,7 @@ from reward import build_reward
 from rl import faults
 from rl.config import RolloutConfig, RunConfig
 from rl.distributed import Shard
+from rl.launch import connect
 from rl.learner import Learner
 from rl.sft import expert_demonstrations
 from rollout.episode import EpisodeLimits
@@ -92,9 +92,7 @@ def build_worker(
     )
     sink = None
     if redis_url is not None:
-        sink = RedisTrajectoryStream(
-            redis.Redis.from_url(redis_url), stream_names(run_id)["trajectories"]
-        )
+        sink = RedisTrajectoryStream(connect(redis_url), stream_names(run_id)["trajectories"])
     return RolloutWorker(
         env_factory=lambda: make_env(cfg),
         env_id=cfg.env.id,
@@ -150,7 +148,7 @@ def build_learner(
     reader = None
     if shard.leader:
         reader = RedisGroupReader(
-            redis.Redis.from_url(redis_url),
+            connect(redis_url),
             stream_names(run_id)["trajectories"],
             group="learner",
             consumer="learner-0",

@@ -19,7 +19,7 @@ from pathlib import Path
 import ray
 import redis
 
-from rl.launch import LaunchError
+from rl.launch import LaunchError, RedisLost
 from rl.weights import WeightPushRejected, WeightPushTimeout
 
 
@@ -42,6 +42,8 @@ def check_skipped(step: int, metrics: dict, limit: int, run_dir: Path) -> None:
 def explain(exc: BaseException, run_dir: Path) -> str | None:
     """A message for a fault we know, or None (the CLI then shows the traceback)."""
     for err in _chain(exc):
+        if isinstance(err, RedisLost):
+            return f"{err}; the run stops. {_resume(run_dir)}"
         if isinstance(err, RunAborted | LaunchError):
             return str(err)
         if isinstance(err, WeightPushTimeout | WeightPushRejected):
