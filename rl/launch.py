@@ -197,7 +197,8 @@ class RedisWatchdog:
                 continue
             how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
             if self.restarts >= self.max_restarts:
-                self.failure = f"the run's redis-server died ({how}) after {self.restarts} restarts"
+                times = f"{self.restarts} restart{'s' * (self.restarts != 1)}"
+                self.failure = f"the run's redis-server died ({how}) after {times}"
                 return
             self.restarts, start = self.restarts + 1, time.monotonic()
             try:
