@@ -14,19 +14,19 @@ import threading
 from pathlib import Path
 
 import ray
-import redis
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from transformers import AutoModelForCausalLM
 
 from policy.hf import import_weights
 from policy.sampling import SamplingParams
+from rl import faults
 from rl.build import build_learner, build_worker, stream_names
 from rl.config import RunConfig
 from rl.console import configure_from_env
 from rl.devices import torch_device, with_devices
 from rl.distributed import Shard, init_group
-from rl.launch import rendezvous
+from rl.launch import connect, rendezvous
 from rl.placement import PlacementError, check_cluster, demands, ray_options, unplaced
 from rl.weights import Manifest, Publisher, Receiver, connect_broadcast
 from rollout.worker import Task
@@ -61,7 +61,7 @@ class WorkerHost:
         self.starts = 1  # incarnations of this worker (Ray restarts it after a crash)
         if redis_url is not None:
             key = f"{stream_names(run_id)['prefix']}:starts:worker-{index}"
-            self.starts = int(redis.Redis.from_url(redis_url).incr(key))
+            self.starts = int(connect(redis_url).incr(key))
 
     def _install(self, version: int, weights, expected) -> None:
         with self.lock:
@@ -132,6 +132,7 @@ class WorkerHost:
         return self.worker.evaluate(seeds, samples, sampling)
 
     def receive_object_store(self, manifest: Manifest, refs: list) -> int:
+        faults.kill_on_push(self.index, self.starts, manifest.version)
         return self.receiver.receive_object_store(manifest, refs)
 
     def join_broadcast(
@@ -140,6 +141,7 @@ class WorkerHost:
         self.receiver.join(address, port, rank, world, timeout_s)
 
     def receive_broadcast(self, manifest: Manifest) -> int:
+        faults.kill_on_push(self.index, self.starts, manifest.version)
         return self.receiver.receive_broadcast(manifest)
 
     def version(self) -> int:
@@ -237,6 +239,7 @@ class LearnerHost:
     def save_checkpoint(self, path: str) -> str:
         pending = self._fan_out("save_checkpoint", path)
         self.learner.save(Path(path))
+        faults.disk_full(Path(path), self.learner.version, self.shard.rank)
         ray.get(pending)
         return self.learner.last_acked
 

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import gymnasium
-import redis
 import torch
 
 import envs  # registers the built-in envs with gymnasium
@@ -18,9 +17,11 @@ from policy.hf import build_model, load_model, load_tokenizer
 from policy.sampling import SamplingParams
 from policy.tokenizer import build_tokenizer, render_conversations
 from reward import build_reward
+from rl import faults
 from rl.config import RolloutConfig, RunConfig
 from rl.devices import torch_device
 from rl.distributed import Shard
+from rl.launch import connect
 from rl.learner import Learner
 from rl.sft import expert_demonstrations
 from rollout.episode import EpisodeLimits
@@ -93,15 +94,13 @@ def build_worker(
     )
     sink = None
     if redis_url is not None:
-        sink = RedisTrajectoryStream(
-            redis.Redis.from_url(redis_url), stream_names(run_id)["trajectories"]
-        )
+        sink = RedisTrajectoryStream(connect(redis_url), stream_names(run_id)["trajectories"])
     return RolloutWorker(
         env_factory=lambda: make_env(cfg),
         env_id=cfg.env.id,
         policy=policy,
         renderer=renderer,
-        scorer=build_reward(cfg.reward.weights()),
+        scorer=faults.reward(build_reward(cfg.reward.weights())),  # rl/faults.py
         sink=sink,
         limits=EpisodeLimits(max_turns=cfg.rollout.max_turns, max_seq_len=cfg.rollout.max_seq_len),
         max_episodes=cfg.rollout.max_episodes,
@@ -154,7 +153,7 @@ def build_learner(
     reader = None
     if shard.leader:
         reader = RedisGroupReader(
-            redis.Redis.from_url(redis_url),
+            connect(redis_url),
             stream_names(run_id)["trajectories"],
             group="learner",
             consumer="learner-0",

@@ -79,6 +79,7 @@ def cmd_train(args) -> int:
     else:
         run_dir = make_run_dir(cfg)
     from rl.checkpoint import CheckpointError
+    from rl.failures import explain
     from rl.placement import PlacementError
 
     try:
@@ -92,6 +93,12 @@ def cmd_train(args) -> int:
     except KeyboardInterrupt:
         say(f"interrupted; Ray and Redis are stopped. Partial results in {run_dir}")
         return 130
+    except Exception as exc:  # a fault we can name gets one clear message, not a traceback
+        message = explain(exc, run_dir)
+        if message is None:
+            raise
+        print(f"agentrl: {message}", file=sys.stderr)
+        return 1
     say(f"done: {run_dir}")
     return 0 if summary.get("rl_beats_base_beyond_intervals", True) or not args.strict else 3
 

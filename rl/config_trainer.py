@@ -110,6 +110,9 @@ class TrainerConfig(Section):
     compute at the same time)."""
     read_timeout_s: float = Field(300.0, gt=0)
     """Give up (with an error) if the stream yields no group for this long."""
+    max_skipped_steps: int = Field(3, ge=0)
+    """Stop the run (with an error naming the steps) after this many learner steps in a row
+    whose every optimizer step was skipped for a NaN/Inf loss or gradient (0: never stop)."""
     mode: Literal["sync", "async"] = "sync"
     """sync: generate a batch, train on it, push, repeat. async: workers never wait for the
     learner; it trains on groups as they arrive, within max_staleness versions."""

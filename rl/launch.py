@@ -11,6 +11,13 @@ join whatever cluster is already running on the machine.
 
 Both are torn down on normal exit, on error, on Ctrl-C and on SIGTERM; the Redis child also gets
 SIGTERM from the kernel if this process dies without cleaning up (PR_SET_PDEATHSIG).
+
+If the embedded redis-server dies during the run, `RedisWatchdog` starts it again from its AOF on
+the same port with the same password (at most `REDIS_RESTARTS` times); every client made by
+`connect` retries a failed command for about 30 s, so the workers, the learner and the driver
+carry on. A command whose reply was lost with the server may run twice: each such write is
+either idempotent or caught downstream (a second copy of a trajectory group is filtered as a
+duplicate; see docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +40,7 @@ from typing import Any
 from urllib.parse import quote
 
 import redis
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from rl.config import ConfigError, RayConfig, RedisConfig, RunConfig
@@ -41,8 +49,25 @@ from rl.config_cluster import is_loopback, url_host
 logger = logging.getLogger(__name__)
 
 
+REDIS_RESTARTS = 3
+"""Times the embedded redis-server is started again from its AOF after it died, per run."""
+
+
 class LaunchError(RuntimeError):
     """A service could not be started; the message says what to install or change."""
+
+
+class RedisLost(LaunchError):
+    """The run's embedded redis-server died and could not be (or was no longer) restarted."""
+
+
+def connect(url: str) -> redis.Redis:
+    """A client that rides out a Redis restart: a command that fails on a broken or refused
+    connection is retried 30 times, 0.1 s apart doubling up to 1 s (about 28 s in all)."""
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), 30)
+    return redis.Redis.from_url(
+        url, retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError]
+    )
 
 
 def find_redis_server() -> str:
@@ -121,6 +146,11 @@ class RedisServer:
         tls = {"ssl": True, "ssl_ca_certs": self.tls.ca_cert_file} if self.tls else {}
         return redis.Redis(host=self.host, port=self.port, password=self.password, **tls, **kwargs)
 
+    def restart(self, timeout: float = 15.0) -> None:
+        """Start the server again from its config and AOF (same port, password and data)."""
+        self.process = _spawn(self.data_dir / "redis.conf")
+        _wait_for(self, timeout)
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.poll() is not None:
             return
@@ -160,7 +190,13 @@ def start_redis(
         f"logfile {data_dir / 'redis.log'}\ndaemonize no\n"
     )
     conf.chmod(0o600)
-    process = subprocess.Popen(
+    server = RedisServer(_spawn(conf), host, port, password, data_dir, tls)
+    _wait_for(server, timeout)
+    return server
+
+
+def _spawn(conf: Path) -> subprocess.Popen:
+    return subprocess.Popen(
         [find_redis_server(), str(conf)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -168,9 +204,6 @@ def start_redis(
         start_new_session=True,
         preexec_fn=_die_with_parent,
     )
-    server = RedisServer(process, host, port, password, data_dir, tls)
-    _wait_for(server, timeout)
-    return server
 
 
 def _wait_for(server: RedisServer, timeout: float) -> None:
@@ -257,6 +290,44 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+class RedisWatchdog:
+    """Starts the run's embedded redis-server again from its AOF whenever it dies, at most
+    `max_restarts` times; `failure` says why it stopped trying (None while all is well)."""
+
+    def __init__(self, server: RedisServer, *, max_restarts: int = REDIS_RESTARTS) -> None:
+        self.server, self.max_restarts = server, max_restarts
+        self.restarts, self.failure = 0, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="redis-watchdog", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            code = self.server.process.poll()
+            if code is None or self._stop.is_set():
+                continue
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            if self.restarts >= self.max_restarts:
+                times = f"{self.restarts} restart{'s' * (self.restarts != 1)}"
+                self.failure = f"the run's redis-server died ({how}) after {times}"
+                return
+            self.restarts, start = self.restarts + 1, time.monotonic()
+            try:
+                self.server.restart()
+            except LaunchError as exc:
+                self.failure = f"the run's redis-server died ({how}) and did not restart: {exc}"
+                return
+            logger.warning(
+                f"redis-server died ({how}); restarted from its AOF in "
+                f"{time.monotonic() - start:.1f} s (restart {self.restarts} of "
+                f"{self.max_restarts}); clients reconnect"
+            )
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
 def start_ray(cfg: RayConfig) -> None:
     import ray
 
@@ -297,6 +368,7 @@ def services(cfg: RunConfig, run_dir: Path) -> Iterator[Services]:
     machine: Redis, then Ray. A cluster: an external Redis is checked first, then Ray joins the
     cluster, then the embedded Redis starts at the node IP Ray reports."""
     server: RedisServer | None = None
+    watchdog: RedisWatchdog | None = None
     cluster = cfg.ray.address != "local"
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -304,19 +376,28 @@ def services(cfg: RunConfig, run_dir: Path) -> Iterator[Services]:
             check_external_redis(cfg.redis.url)
         if cfg.redis.url is None and not cluster:
             server = start_embedded_redis(cfg, run_dir)
+            watchdog = RedisWatchdog(server)
         start_ray(cfg.ray)
         # after ray.init: Ray installs a C++ SIGTERM handler that aborts without cleanup
         signal.signal(signal.SIGTERM, _raise_interrupt)
         if cfg.redis.url is None and cluster:
             server = start_embedded_redis(cfg, run_dir)
+            watchdog = RedisWatchdog(server)
         url = server.url if server else cfg.redis.url
-        client = redis.Redis.from_url(url)
+        client = connect(url)
         client.ping()
-        yield Services(redis_url=url, redis=client)
+        try:
+            yield Services(redis_url=url, redis=client)
+        except Exception as exc:
+            if watchdog is not None and watchdog.failure:
+                raise RedisLost(watchdog.failure) from exc
+            raise
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip cleanup
         try:
             stop_ray()
+            if watchdog is not None:  # after Ray: a server it restarted gets SIGTERM when its
+                watchdog.stop()  # thread ends (PR_SET_PDEATHSIG follows the forking thread)
             if server is not None:
                 server.stop()
         finally:

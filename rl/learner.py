@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
+from rl import faults
 from rl.advantages import gae
 from rl.algorithms import algorithm_for
 from rl.batch import TrainBatch, pack, spread_turn_values
@@ -93,6 +94,8 @@ class Learner:
         self.router_stats = _router_stats(self.trunk)
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version, self.skipped_steps, self.dropped_groups = 0, 0, 0
+        self.nonfinite_in_a_row = 0
+        """Steps in a row whose every optimizer step had a NaN/Inf gradient (not checkpointed)."""
         self.last_acked = "0-0"
         self.trained: set[str] = set()
         """Group ids trained so far (checkpointed): a redelivered copy is never trained again."""
@@ -144,6 +147,7 @@ class Learner:
             batch = pack(groups, pad_token_id=self.pad_token_id, advantages=self.algo.advantages)
             batch = batch.to(self.device)
             metrics.update(self._train(batch))
+            self._count_nonfinite(metrics["learner/optimizer_steps"] == 0)
             metrics["learner/policy_lag"] = (self.version - batch.versions_N.float()).mean().item()
             metrics["learner/tokens_per_s"] = float(batch.attention_mask_NT.sum()) / (
                 time.perf_counter() - start
@@ -160,9 +164,21 @@ class Learner:
                 "learner/seconds": time.perf_counter() - start,
                 "learner/version": float(self.version),
                 "learner/skipped_steps": float(self.skipped_steps),
+                "learner/nonfinite_in_a_row": float(self.nonfinite_in_a_row),
             }
         )
         return metrics
+
+    def _count_nonfinite(self, skipped: bool) -> None:
+        """A batch whose every optimizer step had a NaN/Inf gradient trained nothing: its groups
+        are failed ("non-finite gradient") in the ledger, not trained; the driver stops the run
+        after `trainer.max_skipped_steps` such steps in a row (rl/failures.py)."""
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
+        if skipped:
+            self.trained.difference_update(self.ledger["trained"])
+            for group_id in self.ledger["trained"]:
+                note(self.ledger, "failed", "non-finite gradient", group_id)
+            self.ledger["trained"] = []
 
     def _train(self, batch: TrainBatch) -> dict[str, float]:
         """`ppo_epochs` passes over the batch, reshuffled each time, one optimizer step per
@@ -340,6 +356,8 @@ class Learner:
                 ref_logp_BT=None if prep.ref_logp_NT is None else prep.ref_logp_NT[index, :width],
                 entropy_BT=entropy,
             )
+            if faults.nan_loss(self.version + 1):  # AGENTRL_FAULT_NAN_LOSS (rl/faults.py)
+                loss = loss * float("nan")
             if self.algo.critic:
                 v_loss = value_loss(
                     self._values(hidden, mb),

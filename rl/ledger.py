@@ -6,7 +6,9 @@ Every group that reaches the learner ends in exactly one ledger entry:
                saved in every checkpoint, so a redelivered copy is never trained again)
     filtered   {"duplicate": a group id already trained (a retried task whose first attempt
                also arrived), "flat": DAPO's filter, all rewards equal}
-    failed     {"no trainable trajectory": every episode ended in an env or grader error}
+    failed     {"no trainable trajectory": every episode ended in an env or grader error,
+               "non-finite gradient": every optimizer step of its batch had a NaN/Inf gradient
+               and was skipped (the weights did not change)}
 
 The driver appends one line per step to `<run>/ledger.jsonl` (cut back to the checkpoint on
 resume, like metrics.jsonl), so produced = trained + filtered + failed + still buffered can be

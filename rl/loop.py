@@ -22,6 +22,7 @@ from rl.build import prepare_policy, sampling, stream_names
 from rl.config import RunConfig
 from rl.curriculum import describe, stage_ends, stage_index, staged
 from rl.evaluate import EvalResult, evaluate
+from rl.failures import check_skipped
 from rl.metrics import (
     CollapseDetector,
     MetricsLogger,
@@ -249,6 +250,7 @@ def rl_train(
         if stage is not None:
             metrics["curriculum/stage"] = float(stage + 1)
         log.log(step, metrics)
+        check_skipped(step, metrics, t.max_skipped_steps, run_dir)
         state.step = step
         every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if step == t.steps or every or step in ends:

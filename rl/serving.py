@@ -16,6 +16,7 @@ import redis
 
 from policy.sampling import SamplingParams
 from rl.build import stream_names
+from rl.launch import connect
 from rollout.agent import AgentLoop
 from rollout.serve import AsyncRollouts, ServeOptions
 from rollout.tasks import TaskQueue
@@ -23,7 +24,7 @@ from rollout.tasks import TaskQueue
 
 def serve_worker(host, params: SamplingParams) -> None:
     cfg, names = host.cfg, stream_names(host.run_id)
-    client = redis.Redis.from_url(host.redis_url)
+    client = connect(host.redis_url)
     worker = host.worker
     loop = AgentLoop(
         worker.session(),

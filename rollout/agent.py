@@ -36,6 +36,9 @@ from rollout.episode import EpisodeLimits, open_episode
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Trajectory
 
+TOOL_THREADS = 16
+"""Env steps (tool calls) running at once in one loop."""
+
 
 class Sampled(Protocol):
     token: int
@@ -118,7 +121,10 @@ class AgentLoop:
         self.cache_budget = cache_budget
         """Bytes of cache this loop may hold (None: no limit); see `room`."""
         self.tool_timeout_s, self.deterministic = tool_timeout_s, deterministic
-        self.pool = pool or ThreadPoolExecutor(max_workers=16, thread_name_prefix="agentrl-tool")
+        self.own_pool = pool is None
+        self.pool = pool or _tool_pool()
+        self.stuck: list[Future] = []
+        """Env steps that timed out and still hold a pool thread (Python cannot stop one)."""
         self.live: dict[str, Episode] = {}
         self.on_boundary: Callable[[Episode], None] | None = None
         """Called when an episode is between two turns (its observation appended, env idle)."""
@@ -189,10 +195,20 @@ class AgentLoop:
                 future, episode.tool = episode.tool, None
                 self._after_env_step(episode, future)
             elif now >= episode.tool_deadline or (block and not episode.tool.done()):
+                self._abandon(episode.tool)
                 episode.tool, episode.env_broken = None, True
                 episode.finish(
                     RolloutStatus.ENV_ERROR, f"env step timed out after {self.tool_timeout_s:g} s"
                 )
+
+    def _abandon(self, future: Future) -> None:
+        """A timed-out env step keeps its thread for as long as it hangs (forever, maybe): once
+        half the pool's threads are held so, later steps go to a fresh pool (the old one keeps
+        running what it has), so hung tools never starve the other episodes' env steps."""
+        self.stuck = [f for f in self.stuck if not f.done()] + [future]
+        if self.own_pool and len(self.stuck) >= TOOL_THREADS // 2:
+            self.pool.shutdown(wait=False)
+            self.pool, self.stuck = _tool_pool(), []
 
     def _feed(self, params: SamplingParams) -> None:
         ready = [e for e in self.live.values() if e.feed and not e.done]
@@ -296,6 +312,10 @@ def run_all(
         if loop.idle() and loop.live:
             loop.wait_tools(0.05)
     return [e.traj for e in episodes]
+
+
+def _tool_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=TOOL_THREADS, thread_name_prefix="agentrl-tool")
 
 
 def _env_step(env, message):

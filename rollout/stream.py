@@ -2,7 +2,9 @@
 
 Writers XADD one entry per group. The learner reads through a consumer group and XACKs an entry
 only after the optimizer step that used it, so a crashed learner finds its unacknowledged
-entries still pending (at-least-once; the entry id is the idempotency key).
+entries still pending (at-least-once; the entry id is the idempotency key). A read whose reply
+was lost with the connection (Redis restarted mid-call) leaves its entries pending for this
+consumer without the reader seeing them: every read first picks those up.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class RedisGroupReader:
     def __init__(self, client: redis.Redis, stream: str, *, group: str, consumer: str):
         self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
         self.dead_letters = 0
+        self.held: set[str] = set()
+        """Entries returned by `read` and not acked yet."""
         try:
             self.client.xgroup_create(stream, group, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -40,18 +44,29 @@ class RedisGroupReader:
                 raise
 
     def read(self, count: int, *, block_ms: int) -> list[tuple[str, TrajectoryGroup]]:
-        """Up to `count` new groups, waiting at most `block_ms` for the first."""
+        """Up to `count` groups, waiting at most `block_ms` for the first: entries delivered to
+        this consumer but never seen (a lost reply), else new ones."""
         reply = self.client.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+            self.group, self.consumer, {self.stream: "0"}, count=count + len(self.held)
         )
+        unseen = [
+            (_text(e), f)
+            for _, entries in reply or []
+            for e, f in entries
+            if _text(e) not in self.held
+        ]
+        if not unseen:
+            reply = self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+            )
+            unseen = [(_text(e), f) for _, entries in reply or [] for e, f in entries]
         out = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                try:
-                    out.append((key, decode_group(fields.get(FIELD, b""))))
-                except CodecError as exc:
-                    self._dead_letter(key, fields, str(exc))
+        for key, fields in unseen[:count]:
+            try:
+                out.append((key, decode_group((fields or {}).get(FIELD, b""))))
+            except CodecError as exc:
+                self._dead_letter(key, fields or {}, str(exc))
+        self.held.update(key for key, _ in out)
         return out
 
     def _dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
@@ -61,6 +76,7 @@ class RedisGroupReader:
         self.dead_letters += 1
 
     def ack(self, entry_ids: list[str]) -> int:
+        self.held.difference_update(entry_ids)
         return int(self.client.xack(self.stream, self.group, *entry_ids)) if entry_ids else 0
 
     def skip_to_end(self, after: str) -> int:
@@ -73,6 +89,7 @@ class RedisGroupReader:
         )
         if pending:
             self.client.xack(self.stream, self.group, *[p["message_id"] for p in pending])
+        self.held.clear()
         self.client.xgroup_setid(self.stream, self.group, id="$")
         return len(stale)
 
@@ -86,6 +103,7 @@ class RedisGroupReader:
         )
         if pending:
             self.client.xack(self.stream, self.group, *[p["message_id"] for p in pending])
+        self.held.clear()
         self.client.xgroup_setid(self.stream, self.group, id=after)
         return len(self.client.xrange(self.stream, min=f"({after}", max="+"))
 
@@ -96,3 +114,7 @@ class RedisGroupReader:
 
     def pending(self) -> int:
         return int(self.client.xpending(self.stream, self.group)["pending"])
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -4,6 +4,7 @@ its own episode, tool timeouts, and per-token policy versions across a weight up
 
 from __future__ import annotations
 
+import threading
 import time
 
 import gymnasium
@@ -112,6 +113,42 @@ def test_a_tool_past_its_timeout_ends_only_that_episode(tokenizer):
     assert trajs[0].status is RolloutStatus.COMPLETED
     assert trajs[1].status is RolloutStatus.ENV_ERROR and "timed out" in trajs[1].finish_detail
     assert eps[1].env_broken
+
+
+class HungEnv(gymnasium.Wrapper):
+    """An env whose step never returns until `release` is set (a tool that hangs forever)."""
+
+    def __init__(self, env, release):
+        super().__init__(env)
+        self.release = release
+
+    def step(self, action):
+        self.release.wait()
+        return self.env.step(action)
+
+
+def test_env_steps_that_hang_forever_never_starve_the_others(tokenizer):
+    """Each timed-out step keeps its pool thread; 20 of them (more than the pool's 16 threads)
+    must not leave the next episode's env step queued behind them."""
+    renderer = ChatRenderer(tokenizer)
+    release = threading.Event()
+    loop = AgentLoop(
+        ScriptedSession(tokenizer, expert_script(tokenizer)),
+        renderer,
+        EpisodeLimits(),
+        tool_timeout_s=0.2,
+        deterministic=False,
+    )
+    try:
+        hung = episodes(
+            renderer, 20, lambda: HungEnv(gymnasium.make("agentrl/Calculator-v0"), release)
+        )
+        trajs = run_all(loop, hung, params_for(renderer), max_live=20)
+        assert all(t.status is RolloutStatus.ENV_ERROR for t in trajs)
+        (after,) = run_all(loop, episodes(renderer, 1), params_for(renderer), max_live=1)
+        assert after.status is RolloutStatus.COMPLETED, after.finish_detail
+    finally:
+        release.set()
 
 
 def test_tokens_carry_the_version_that_sampled_them(tokenizer):

@@ -66,3 +66,20 @@ def test_poison_entry_goes_to_dead_letters(redis_server):
     got = reader.read(10, block_ms=100)
     assert len(got) == 1 and reader.dead_letters == 1
     assert client.xlen("s:dead") == 1 and reader.pending() == 1
+
+
+def test_entries_whose_reply_was_lost_are_read_again(redis_server):
+    """Redis restarted mid-XREADGROUP: it recorded the delivery, the reader never saw the reply.
+    The next read returns those entries (and never the ones the reader already holds)."""
+    client = redis_server.client()
+    writer = RedisTrajectoryStream(client, "s")
+    reader = RedisGroupReader(client, "s", group="learner", consumer="c0")
+    first = writer.put(sample_group())
+    assert [e for e, _ in reader.read(10, block_ms=100)] == [first]
+    lost = [writer.put(sample_group()) for _ in range(2)]
+    client.xreadgroup("learner", "c0", {"s": ">"}, count=10)  # the reply that never arrived
+    later = writer.put(sample_group())
+    assert [e for e, _ in reader.read(10, block_ms=100)] == lost
+    assert [e for e, _ in reader.read(10, block_ms=100)] == [later]
+    reader.ack([first, *lost, later])
+    assert reader.pending() == 0 and reader.read(10, block_ms=50) == []

@@ -1,0 +1,70 @@
+"""Chaos: faults inside episodes (reliability.md C2, E4): a tool that hangs forever, a reward
+function that raises. Real local Ray and redis-server through the CLI; each test prints its
+books and asserts 0 lost, none trained twice, and that the run went on to its last step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.chaos.books import account, check_books
+from tests.chaos.runs import CONFIG, metrics, overrides, run_dir_of, train
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def failed(run_dir, reason: str) -> int:
+    lines = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    return sum(len(line["failed"].get(reason, [])) for line in lines)
+
+
+def test_a_tool_that_hangs_forever(tmp_path, stopping_policy):
+    """tests/chaos/faulty_env.py: on a quarter of the tasks a tool never returns (the env's
+    tool timeout, 1 s, makes it an error observation and the episode goes on); on another
+    quarter the env step itself never returns (rollout.tool_timeout_s, 3 s, ends the episode
+    as an env error: its group fails). Hung threads are never freed; the run finishes. The
+    policy ends its turns after a few tokens (conftest.py), so env steps happen at all."""
+    steps = 5
+    proc = train(
+        [
+            CONFIG,
+            *overrides(tmp_path, steps),
+            f"policy.path={stopping_policy}",
+            "env.id=chaos/HangingCalculator-v0",
+            "env.entry_point=tests.chaos.faulty_env:HangingCalculator",
+            "env.kwargs.tool_timeout_s=1",
+            "rollout.tool_timeout_s=3",
+        ]
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_dir = run_dir_of(tmp_path)
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    hung_calls = sum(r.get("tools/lookup/calls", 0) for r in records)
+    assert hung_calls > 0
+    assert all(r.get("tools/lookup/failure_rate", 1.0) == 1.0 for r in records)
+    env_errors = sum(r.get("rollout/env_errors", 0) for r in records)
+    assert env_errors > 0 and failed(run_dir, "no trainable trajectory") > 0
+    print(
+        f"[a tool that hangs forever] {hung_calls:.0f} lookup timeouts, {env_errors:.0f} env errors"
+    )
+    check_books(account(run_dir), steps, "a tool that hangs forever")
+
+
+def test_a_reward_function_that_raises(tmp_path):
+    """AGENTRL_FAULT_REWARD_RAISES=3: the reward raises for every episode of a task whose seed
+    is a multiple of 3 (its group fails: nothing to train) and for the first episode of every
+    other group (marked grader_error and excluded; the group trains on the other three)."""
+    steps = 4
+    proc = train([CONFIG, *overrides(tmp_path, steps)], env={"AGENTRL_FAULT_REWARD_RAISES": "3"})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_dir = run_dir_of(tmp_path)
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    grader_errors = sum(r.get("rollout/grader_errors", 0) for r in records)
+    assert grader_errors > 0
+    books = account(run_dir)
+    assert books["trained"] and failed(run_dir, "no trainable trajectory") > 0
+    print(f"[a reward function that raises] {grader_errors:.0f} grader errors")
+    check_books(books, steps, "a reward function that raises")

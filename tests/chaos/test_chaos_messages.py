@@ -1,0 +1,65 @@
+"""The messages a stopped run prints (rl/failures.py) and the Redis watchdog's limit, without a
+run: the chaos runs check the same messages end to end."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+
+import pytest
+import ray
+import redis
+
+from rl.failures import RunAborted, check_skipped, explain
+from rl.launch import RedisLost, RedisWatchdog, start_redis
+
+
+def run_dir_with_checkpoint(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step-000003")
+    return tmp_path
+
+
+def test_k_skipped_steps_in_a_row_stop_the_run(tmp_path):
+    check_skipped(5, {"learner/nonfinite_in_a_row": 2.0}, 3, tmp_path)
+    check_skipped(5, {"learner/nonfinite_in_a_row": 9.0}, 0, tmp_path)  # 0: never stop
+    with pytest.raises(RunAborted, match=r"skipped 3 steps in a row \(steps 3 to 5\)"):
+        check_skipped(5, {"learner/nonfinite_in_a_row": 3.0}, 3, tmp_path)
+
+
+def test_the_faults_we_know_get_one_message_naming_the_checkpoint(tmp_path):
+    run_dir = run_dir_with_checkpoint(tmp_path)
+    disk = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/r/learner-rank0.safetensors")
+    wrapped = ray.exceptions.RayTaskError("save_checkpoint", "tb", disk).as_instanceof_cause()
+    for exc, start in (
+        (wrapped, "the disk is full (No space left on device: /r/learner-rank0.safetensors)"),
+        (RedisLost("the run's redis-server died (killed by signal 9) after 3 restarts"), "the"),
+        (redis.ConnectionError("Connection refused"), "lost the connection to Redis"),
+    ):
+        message = explain(exc, run_dir)
+        assert message.startswith(start), message
+        assert "step-000003" in message and f"agentrl train --resume {run_dir}" in message
+    assert explain(ValueError("a bug"), run_dir) is None  # the CLI shows its traceback
+
+
+@pytest.mark.slow
+def test_the_watchdog_gives_up_after_its_restarts(tmp_path):
+    server = start_redis(tmp_path / "redis")
+    watchdog = RedisWatchdog(server, max_restarts=1)
+    try:
+        for _ in range(2):
+            os.kill(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+            deadline = time.monotonic() + 30
+            while server.process.poll() is not None and watchdog.failure is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert watchdog.restarts == 1
+        assert (
+            watchdog.failure == "the run's redis-server died (killed by signal 9) after 1 restart"
+        )
+    finally:
+        watchdog.stop()
+        server.stop()
