@@ -63,7 +63,8 @@ def disk_full(directory: Path, step: int, rank: int) -> None:
     as a disk that filled up during the write would."""
     if _value("DISK_FULL_AT") != str(step):
         return
-    path = Path(directory) / f"learner-rank{rank}.safetensors"
+    shards = sorted((Path(directory) / "learner").glob(f"shard-{rank + 1:05d}-*.safetensors"))
+    path = shards[0]  # this rank's weights and optimizer state (rl/learner_state.py, DCP)
     with open(path, "r+b") as fh:
         fh.truncate(path.stat().st_size // 2)
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

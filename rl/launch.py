@@ -297,6 +297,8 @@ class RedisWatchdog:
     def __init__(self, server: RedisServer, *, max_restarts: int = REDIS_RESTARTS) -> None:
         self.server, self.max_restarts = server, max_restarts
         self.restarts, self.failure = 0, None
+        self.completed = 0
+        """Restarts that finished: the new server answered."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="redis-watchdog", daemon=True)
         self._thread.start()
@@ -317,6 +319,7 @@ class RedisWatchdog:
             except LaunchError as exc:
                 self.failure = f"the run's redis-server died ({how}) and did not restart: {exc}"
                 return
+            self.completed += 1
             logger.warning(
                 f"redis-server died ({how}); restarted from its AOF in "
                 f"{time.monotonic() - start:.1f} s (restart {self.restarts} of "
