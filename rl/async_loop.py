@@ -33,7 +33,7 @@ from tqdm import tqdm
 from rl import ledger
 from rl.build import sampling, stream_names
 from rl.evaluate import EVAL_SEED_OFFSET
-from rl.failures import check_skipped
+from rl.failures import check_env_errors, check_skipped
 from rl.loop import record_trajectories
 from rl.metrics import (
     CollapseDetector,
@@ -116,6 +116,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             metrics.update(redis_metrics(client, names["trajectories"]))
             log.log(step, metrics)
             check_skipped(step, metrics, t.max_skipped_steps, run_dir)
+            check_env_errors(step, metrics, cfg.rollout.max_env_error_rate, cfg.env.id, run_dir)
             state.step = step
             if step == t.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
                 save_checkpoint(run_dir, state, learner, keep_last=cfg.checkpoint.keep_last)

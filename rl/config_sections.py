@@ -250,6 +250,10 @@ class RolloutConfig(Section):
     record_routing: bool = True
     """MoE policies: record the experts the rollout engine chose for every token (for routing
     replay and the rollout/learner routing-mismatch metric)."""
+    max_env_error_rate: float = Field(0.5, gt=0, le=1)
+    """Stop the run when more than this fraction of a step's episodes end in an env error (the
+    env's reset or step raised, or a tool ran past tool_timeout_s; such episodes are counted in
+    rollout/env_errors and never trained on). 1: never stop."""
     max_episodes: int = Field(64, gt=0)
     """Live episodes per worker (decoded together; async mode admits new groups up to this)."""
     tool_timeout_s: float = Field(60.0, gt=0)

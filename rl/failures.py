@@ -1,11 +1,12 @@
 """Why a run stopped, in one message the CLI prints instead of a traceback.
 
 `RunAborted` is raised by the driver when the run must not go on (the learner skipped
-`trainer.max_skipped_steps` steps in a row for a non-finite loss). `explain(exc, run_dir)` turns
-the faults the chaos suite injects into such a message: the learner's process died, the disk
-filled up, Redis was lost for good, a weight push failed or timed out (naming the workers).
-Every message names the last complete checkpoint and the command that continues the run:
-nothing acknowledged is lost (Redis keeps every acknowledged write in its AOF, and the
+`trainer.max_skipped_steps` steps in a row for a non-finite loss, or more than
+`rollout.max_env_error_rate` of a step's episodes ended in an env error). `explain(exc,
+run_dir)` turns the faults the chaos suite injects into such a message: the learner's process
+died, the disk filled up, Redis was lost for good, a weight push failed or timed out (naming
+the workers). Every message names the last complete checkpoint and the command that continues
+the run: nothing acknowledged is lost (Redis keeps every acknowledged write in its AOF, and the
 checkpoint never names an incomplete directory).
 """
 
@@ -37,6 +38,22 @@ def check_skipped(step: int, metrics: dict, limit: int, run_dir: Path) -> None:
             f"the run stops. Skipped steps never changed the weights, and their groups are "
             f"marked failed in ledger.jsonl. {_resume(run_dir)}"
         )
+
+
+def check_env_errors(step: int, metrics: dict, limit: float, env_id: str, run_dir: Path) -> None:
+    """Stop when more than `limit` of the step's episodes ended in an env error."""
+    rate = metrics.get("rollout/env_error_rate")
+    if rate is None or rate <= limit:
+        return
+    errors, episodes = metrics["rollout/env_errors"], metrics["rollout/episodes"]
+    raise RunAborted(
+        f"{errors:.0f} of {episodes:.0f} episodes of step {step} ended in an env error "
+        f"({rate:.0%} > rollout.max_env_error_rate={limit:g}): the env's reset or step raised "
+        f"(the workers' log names each distinct error) or a tool ran past "
+        f"rollout.tool_timeout_s. Env-error episodes are never trained on. Run "
+        f"`agentrl envs check {env_id}` to see the env fail on seeded episodes, fix it, or raise "
+        f"rollout.max_env_error_rate (1: never stop). {_resume(run_dir)}"
+    )
 
 
 def explain(exc: BaseException, run_dir: Path) -> str | None:

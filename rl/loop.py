@@ -22,7 +22,7 @@ from rl.build import prepare_policy, sampling, stream_names
 from rl.config import RunConfig
 from rl.curriculum import describe, stage_ends, stage_index, staged
 from rl.evaluate import EvalResult, evaluate
-from rl.failures import check_skipped
+from rl.failures import check_env_errors, check_skipped
 from rl.metrics import (
     CollapseDetector,
     MetricsLogger,
@@ -251,6 +251,7 @@ def rl_train(
             metrics["curriculum/stage"] = float(stage + 1)
         log.log(step, metrics)
         check_skipped(step, metrics, t.max_skipped_steps, run_dir)
+        check_env_errors(step, metrics, cfg.rollout.max_env_error_rate, cfg.env.id, run_dir)
         state.step = step
         every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if step == t.steps or every or step in ends:

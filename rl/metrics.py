@@ -155,6 +155,8 @@ def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
         "rollout/truncated_rate": total["truncated"] / n,
         "rollout/errors": total["errors"],
         "rollout/env_errors": total.get("env_errors", 0),
+        "rollout/env_error_rate": total.get("env_errors", 0) / n,
+        "rollout/episodes": total["episodes"],
         "rollout/grader_errors": total.get("grader_errors", 0),
         "rollout/tokens_per_s": total["generated_tokens"] / max(seconds, 1e-9),
         "rollout/seconds": seconds,

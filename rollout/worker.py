@@ -6,6 +6,7 @@ objects: an env factory, the policy, the renderer, the reward function, and a si
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from rollout.agent import AgentLoop, run_all, start_episode
 from rollout.episode import EpisodeLimits, Policy, run_episodes
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Scorer, Trajectory, TrajectoryGroup
+
+logger = logging.getLogger(__name__)
 
 
 class TrajectorySink(Protocol):
@@ -53,6 +56,7 @@ class RolloutWorker:
         """Bytes of decode cache this worker may hold (None: no limit; AgentLoop.room)."""
         self._envs: list[Any] = []
         self._session = None
+        self._env_errors_seen: set[str] = set()
 
     def reconfigure(self, limits: EpisodeLimits, env_factory: Callable[[], Any]) -> None:
         """New episode limits and envs from the next episode on (a curriculum stage begins)."""
@@ -129,6 +133,9 @@ class RolloutWorker:
 
     def _score(self, traj: Trajectory) -> None:
         if traj.status is RolloutStatus.ENV_ERROR:
+            if traj.finish_detail not in self._env_errors_seen:  # each distinct error once
+                self._env_errors_seen.add(traj.finish_detail)
+                logger.warning("env error in %s: %s", traj.task_id, traj.finish_detail)
             return
         try:
             scored = self.scorer(traj)

@@ -54,3 +54,13 @@ class HangingCalculator(CalculatorEnv):
         if self.kind == "tool" and isinstance(action, dict):
             action = {**action, "tool_calls": [tool_call("lookup", {"key": "x"})]}
         return super().step(action)
+
+
+class BrokenResetCalculator(CalculatorEnv):
+    """A Calculator-v0 whose `reset` raises on every training task (its task database is
+    unreachable): every episode is an env error, past any rollout.max_env_error_rate."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        if seed is not None and seed < EVAL_SEED_OFFSET:
+            raise RuntimeError("task database unreachable")
+        return super().reset(seed=seed, options=options)

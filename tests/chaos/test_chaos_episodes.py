@@ -35,6 +35,7 @@ def test_a_tool_that_hangs_forever(tmp_path, stopping_policy):
             "env.entry_point=tests.chaos.faulty_env:HangingCalculator",
             "env.kwargs.tool_timeout_s=1",
             "rollout.tool_timeout_s=3",
+            "rollout.max_env_error_rate=1",  # a quarter of the tasks err: never stop for that
         ]
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -68,3 +69,31 @@ def test_a_reward_function_that_raises(tmp_path):
     assert books["trained"] and failed(run_dir, "no trainable trajectory") > 0
     print(f"[a reward function that raises] {grader_errors:.0f} grader errors")
     check_books(books, steps, "a reward function that raises")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_env_errors_past_the_limit_stop_the_run(tmp_path, mode):
+    """tests/chaos/faulty_env.py BrokenResetCalculator: every training episode's reset raises.
+    Each is an env error of its episode (the workers live on, the error is logged once); the
+    first step's rate (100%) passes rollout.max_env_error_rate (0.5) and the run stops there
+    with one message naming the key, no traceback."""
+    proc = train(
+        [
+            CONFIG,
+            *overrides(tmp_path, 4),
+            f"trainer.mode={mode}",
+            *(["rollout.token_budget=null"] if mode == "sync" else []),  # partial: async only
+            "env.id=chaos/BrokenResetCalculator-v0",
+            "env.entry_point=tests.chaos.faulty_env:BrokenResetCalculator",
+        ]
+    )
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert "episodes of step 1 ended in an env error (100% > rollout.max_env_error_rate=0.5)" in (
+        proc.stdout
+    ), proc.stdout[-4000:]
+    assert "reset raised RuntimeError: task database unreachable" in proc.stdout
+    assert "agentrl envs check chaos/BrokenResetCalculator-v0" in proc.stdout
+    assert "Traceback" not in proc.stdout
+    records = metrics(run_dir_of(tmp_path))
+    assert [r["step"] for r in records] == [1]
+    assert records[0]["rollout/env_error_rate"] == 1.0 and records[0]["rollout/env_errors"] > 0

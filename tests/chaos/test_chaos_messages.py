@@ -12,7 +12,7 @@ import pytest
 import ray
 import redis
 
-from rl.failures import RunAborted, check_skipped, explain
+from rl.failures import RunAborted, check_env_errors, check_skipped, explain
 from rl.launch import RedisLost, RedisWatchdog, start_redis
 
 
@@ -27,6 +27,19 @@ def test_k_skipped_steps_in_a_row_stop_the_run(tmp_path):
     check_skipped(5, {"learner/nonfinite_in_a_row": 9.0}, 0, tmp_path)  # 0: never stop
     with pytest.raises(RunAborted, match=r"skipped 3 steps in a row \(steps 3 to 5\)"):
         check_skipped(5, {"learner/nonfinite_in_a_row": 3.0}, 3, tmp_path)
+
+
+def test_env_errors_past_the_rate_stop_the_run(tmp_path):
+    def step(errors: float, episodes: float) -> dict:
+        rate = errors / episodes
+        return {"rollout/env_errors": errors, "rollout/episodes": episodes,
+                "rollout/env_error_rate": rate}  # fmt: skip
+
+    check_env_errors(2, {}, 0.5, "a/B-v0", tmp_path)  # a step with no episodes (async)
+    check_env_errors(2, step(8, 16), 0.5, "a/B-v0", tmp_path)  # at the limit: goes on
+    check_env_errors(2, step(16, 16), 1.0, "a/B-v0", tmp_path)  # 1: never stop
+    with pytest.raises(RunAborted, match=r"9 of 16 episodes of step 2 .* \(56% > rollout\.max_"):
+        check_env_errors(2, step(9, 16), 0.5, "a/B-v0", tmp_path)
 
 
 def test_the_faults_we_know_get_one_message_naming_the_checkpoint(tmp_path):
