@@ -1,7 +1,7 @@
 """The learner's forward + backward on one long trajectory: one forward vs segments.
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/long_learner.py [--lengths 4096 16384]
-     [--segment 1024] [--threads 2]
+     [--segment 1024] [--threads 2] [--modes whole segmented kimilinear qwen3]
 
 k3-tiny (hidden 96, 4 layers: KDA, KDA, KDA, MLA; 48 experts), float32, batch 1, the learner's
 own path (policy.logprobs.TokenLogprobs: decoder, then the LM head at the sampled positions
@@ -11,6 +11,13 @@ trainer.segment_tokens = --segment (policy/k3/segments.py: carried KDA state and
 one activation checkpoint per segment). Each (mode, length) runs in a fresh subprocess so that
 its peak RSS is its own; printed: peak RSS growth over the RSS just before the step and the
 wall time of forward + backward (one run after a warm-up at T = 512).
+
+Peers (`--modes kimilinear qwen3`), the same loss on the same tokens: transformers'
+KimiLinearForCausalLM with the closest config it allows (benchmarks/decode_speed.py; torch
+fallbacks for KDA, SDPA for MLA) and a dense Qwen3ForCausalLM with k3-tiny's parameter count
+(SDPA attention); the LM head on the second half's positions only, as ours. Each child runs
+under an address-space cap (`--mem-gb`) and a wall-time limit (`--time-limit`): a peer that
+passes either is reported as out of memory or out of time, not as a crash of the benchmark.
 """
 
 from __future__ import annotations
@@ -28,29 +35,82 @@ from policy.k3 import K3ForCausalLM, k3_preset
 from policy.logprobs import TokenLogprobs
 
 
-def step(trunk: TokenLogprobs, length: int) -> None:
+def batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids_BT = torch.randint(1, 768, (1, length), generator=torch.Generator().manual_seed(0))
-    mask_BT = torch.ones_like(ids_BT)
     select_BT = torch.zeros(1, length - 1, dtype=torch.bool)
     select_BT[:, length // 2 :] = True
-    logp_BT, _, _, _ = trunk(ids_BT, mask_BT, 1.0, select_BT)
+    return ids_BT, select_BT
+
+
+def step(trunk: TokenLogprobs, length: int) -> None:
+    ids_BT, select_BT = batch(length)
+    logp_BT, _, _, _ = trunk(ids_BT, torch.ones_like(ids_BT), 1.0, select_BT)
     (-(logp_BT * select_BT).sum() / select_BT.sum()).backward()
 
 
-def measure(mode: str, length: int, segment: int, threads: int) -> dict:
+def peer_step(model, length: int) -> None:
+    """The same loss through a transformers model: its decoder, the head on selected rows."""
+    ids_BT, select_BT = batch(length)
+    hidden_BTD = model.model(input_ids=ids_BT, use_cache=False).last_hidden_state[:, :-1]
+    logits_ND = model.lm_head(hidden_BTD[select_BT]).float()
+    logp_N = logits_ND.log_softmax(-1).gather(-1, ids_BT[:, 1:][select_BT][:, None])[:, 0]
+    (-logp_N.mean()).backward()
+
+
+def build(mode: str, segment: int):
+    """(model, one step at length T) for a mode."""
+    cfg = k3_preset("k3-tiny")
+    if mode in ("whole", "segmented"):
+        model = K3ForCausalLM(cfg).eval()
+        trunk = TokenLogprobs(model, segment_tokens=segment if mode == "segmented" else 0)
+        return model, lambda length: step(trunk, length)
+    from benchmarks.decode_speed import kimi_linear_peer, qwen3_peer
+
+    if mode == "kimilinear":
+        model = kimi_linear_peer(cfg)
+    else:
+        model = qwen3_peer(cfg, sum(p.numel() for p in K3ForCausalLM(cfg).parameters()))[0]
+    model.config._attn_implementation = "sdpa"
+    return model, lambda length: peer_step(model, length)
+
+
+def measure(mode: str, length: int, segment: int, threads: int, mem_gb: float) -> dict:
+    cap = int(mem_gb * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = K3ForCausalLM(k3_preset("k3-tiny")).eval()
-    trunk = TokenLogprobs(model, segment_tokens=segment if mode == "segmented" else 0)
-    step(trunk, 512)  # warm-up
+    model, run = build(mode, segment)
+    run(512)  # warm-up
     model.zero_grad(set_to_none=True)
     before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    step(trunk, length)
+    try:
+        run(length)
+    except (RuntimeError, MemoryError) as exc:
+        if "memory" not in str(exc).lower() and not isinstance(exc, MemoryError):
+            raise
+        return {"mode": mode, "T": length, "oom": True}
     seconds = time.perf_counter() - start
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"mode": mode, "T": length, "fwd_bwd_s": round(seconds, 2),
             "peak_rss_growth_MiB": round((peak_kib - before_kib) / 1024)}  # fmt: skip
+
+
+def child(mode: str, length: int, args) -> str:
+    """One (mode, T) in a fresh process: its table cells."""
+    cmd = [sys.executable, __file__, "--one", mode, str(length), "--segment", str(args.segment),
+           "--threads", str(args.threads), "--mem-gb", str(args.mem_gb)]  # fmt: skip
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit)
+    except subprocess.TimeoutExpired:
+        return f"- | out of time (> {args.time_limit:.0f} s)"
+    if out.returncode != 0:
+        oom = out.returncode == -9 or "memory" in out.stderr.lower()
+        return "out of memory | -" if oom else f"failed: {out.stderr.strip()[-200:]} | -"
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if r.get("oom"):
+        return f"out of memory (> {args.mem_gb:g} GiB) | -"
+    return f"{r['peak_rss_growth_MiB']} MiB | {r['fwd_bwd_s']} s"
 
 
 def main() -> None:
@@ -58,22 +118,21 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--segment", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=["whole", "segmented"])
+    parser.add_argument("--modes", nargs="+", default=["whole", "segmented"],
+                        choices=["whole", "segmented", "kimilinear", "qwen3"])  # fmt: skip
+    parser.add_argument("--mem-gb", type=float, default=16.0, help="address-space cap per case")
+    parser.add_argument("--time-limit", type=float, default=1800.0, help="seconds per case")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # child: mode length
     args = parser.parse_args()
     if args.one:
-        result = measure(args.one[0], int(args.one[1]), args.segment, args.threads)
-        print(json.dumps(result))
+        mode, length = args.one[0], int(args.one[1])
+        print(json.dumps(measure(mode, length, args.segment, args.threads, args.mem_gb)))
         return
     print(f"| mode (segment {args.segment}) | T | peak RSS growth | fwd+bwd |")
     print("|---|---|---|---|")
     for length in args.lengths:
         for mode in args.modes:
-            cmd = [sys.executable, __file__, "--one", mode, str(length),
-                   "--segment", str(args.segment), "--threads", str(args.threads)]  # fmt: skip
-            r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            print(f"| {mode} | {length} | {r['peak_rss_growth_MiB']} MiB | {r['fwd_bwd_s']} s |",
-                  flush=True)  # fmt: skip
+            print(f"| {mode} | {length} | {child(mode, length, args)} |", flush=True)
 
 
 if __name__ == "__main__":
