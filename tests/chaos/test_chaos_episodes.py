@@ -74,8 +74,9 @@ def test_a_reward_function_that_raises(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_env_errors_past_the_limit_stop_the_run(tmp_path, mode):
     """tests/chaos/faulty_env.py BrokenResetCalculator: every training episode's reset raises.
-    Each is an env error of its episode (the workers live on, the error is logged once); the
-    first step's rate (100%) passes rollout.max_env_error_rate (0.5) and the run stops there
+    Each is an env error of its episode (the workers live on and log the error once; Ray
+    forwards that line to the driver's output asynchronously, so it is not asserted); the first
+    step's rate (100%) passes rollout.max_env_error_rate (0.5) and the run stops there
     with one message naming the key, no traceback."""
     proc = train(
         [
@@ -91,7 +92,6 @@ def test_env_errors_past_the_limit_stop_the_run(tmp_path, mode):
     assert "episodes of step 1 ended in an env error (100% > rollout.max_env_error_rate=0.5)" in (
         proc.stdout
     ), proc.stdout[-4000:]
-    assert "reset raised RuntimeError: task database unreachable" in proc.stdout
     assert "agentrl envs check chaos/BrokenResetCalculator-v0" in proc.stdout
     assert "Traceback" not in proc.stdout
     records = metrics(run_dir_of(tmp_path))
