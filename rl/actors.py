@@ -94,11 +94,12 @@ class WorkerHost:
         self.stop_event.set()
 
     def drain(self) -> dict:
-        """Counters of the trajectories finished since the last call (async mode)."""
+        """Counters of the trajectories finished since the last call (async mode). A restarted
+        worker reports its restart even before its serve loop is rebuilt."""
         from rollout.worker import summarize
 
         if self.rollouts is None:
-            return {}
+            return {"restarts": float(self.starts - 1)}
         trajs, counters = self.rollouts.drain()
         stats = summarize(trajs, seconds=0.0) if trajs else {}
         return {**stats, **counters, "restarts": float(self.starts - 1)}
