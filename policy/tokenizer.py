@@ -92,21 +92,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(
-    corpus: Iterable[str], *, vocab_size: int = 1024, split_spaces: bool = False
-) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on `corpus` (deterministic for the same corpus and size).
-
-    `split_spaces`: every space is a token of its own, so a word is the same token after a space
-    in prose and inside a JSON string (" Kyiv" and "Kyiv" are otherwise two unrelated tokens,
-    and a small fresh model must learn each pair before it can copy a name into a tool call)."""
+def build_tokenizer(corpus: Iterable[str], *, vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on `corpus` (deterministic for the same corpus and size)."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
     core = Tokenizer(models.BPE())
-    spaces = [pre_tokenizers.Split(" ", behavior="isolated")] if split_spaces else []
     core.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            *spaces,
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]

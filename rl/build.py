@@ -58,9 +58,7 @@ def prepare_policy(cfg: RunConfig, run_dir: Path) -> Path:
     count = cfg.policy.tokenizer_demonstrations
     demos = expert_demonstrations(cfg, count, error_rate=0.5, seed=cfg.seed + 7919)
     corpus = render_conversations((d.messages, d.tools) for d in demos) + ERROR_SAMPLES
-    tokenizer = build_tokenizer(
-        corpus, vocab_size=cfg.policy.vocab_size, split_spaces=cfg.policy.tokenizer_split_spaces
-    )
+    tokenizer = build_tokenizer(corpus, vocab_size=cfg.policy.vocab_size)
     model = build_model(
         cfg.policy.model_type, cfg.policy.config, vocab_size=len(tokenizer), seed=cfg.seed
     )

@@ -198,10 +198,6 @@ class PolicyConfig(Section):
     """Vocabulary of the tokenizer built offline for a fresh model."""
     tokenizer_demonstrations: int = Field(400, gt=0)
     """Expert episodes rendered as the tokenizer's training text (fresh models only)."""
-    tokenizer_split_spaces: bool = False
-    """Make every space a token of its own (fresh models only), so that a word is one and the
-    same token in prose and in a tool call's JSON: a small model then copies names from the
-    prompt into arguments. Costs more tokens per text."""
 
     @model_validator(mode="after")
     def _k3_preset(self) -> PolicyConfig:
