@@ -47,6 +47,16 @@ def heldout_report(cfg: RunConfig, model, renderer) -> dict[str, float]:
     }
 
 
+# Measured (docs/environments.md, "Starting from the template"): a policy that fits the
+# demonstrations' tokens yet fails the tasks usually misses the one span it must copy.
+_COPYING = (
+    "It predicts {accuracy:.0%} of the demonstrations' tokens, so it is most likely missing "
+    "the few it must copy (a name from the question, a tool's result): `agentrl show RUN_DIR "
+    "--worst` shows which. More epochs (sft.epochs) usually teach the copy; a larger policy "
+    "did not in our probes."
+)
+
+
 def diagnose(cfg: RunConfig, report: dict[str, float], evals: dict[str, EvalResult]) -> list[str]:
     """Adds the evaluation figures to `report` and returns warnings (empty: SFT took)."""
     greedy = evals.get("greedy") or next(iter(evals.values()), None)
@@ -81,7 +91,8 @@ def diagnose(cfg: RunConfig, report: dict[str, float], evals: dict[str, EvalResu
     if greedy.success < 0.5 * expert:
         warnings.append(
             f"after SFT the policy solves {greedy.success:.0%} of held-out tasks greedily, the "
-            f"expert {expert:.0%}: RL has little to start from. Try {bigger}."
+            f"expert {expert:.0%}: RL has little to start from. "
+            + (_COPYING.format(accuracy=accuracy) if (accuracy or 0) >= 0.95 else f"Try {bigger}.")
         )
     if greedy.truncated > 0.2:
         warnings.append(

@@ -69,3 +69,14 @@ def test_each_sign_of_a_failed_warm_start_says_what_to_change():
     assert "solves 10% of held-out tasks greedily, the expert 100%" in text
     assert "50% of the post-SFT evaluation episodes were truncated" in text
     assert "rollout.max_new_tokens (now 48)" in text
+
+
+def test_a_policy_that_fits_the_tokens_but_fails_the_tasks_is_told_to_look_at_copies():
+    """Token accuracy 98% and greedy success 10% (the Weather fixture after 5 epochs: the city
+    was never copied): the warning points at copying and at more epochs."""
+    cfg = load_config(None)
+    report = {"sft/token_accuracy": 0.98, "sft/expert_success": 1.0}
+    (warning,) = diagnose(cfg, report, {"greedy": result(0.1)})
+    assert "solves 10% of held-out tasks greedily" in warning
+    assert "predicts 98% of the demonstrations' tokens" in warning
+    assert "agentrl show RUN_DIR --worst" in warning and "sft.epochs" in warning
