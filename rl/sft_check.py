@@ -88,11 +88,12 @@ def diagnose(cfg: RunConfig, report: dict[str, float], evals: dict[str, EvalResu
             f"raised). Try {bigger}; `agentrl show RUN_DIR --worst` shows what it writes."
         )
     expert = report.get("sft/expert_success", 1.0)
+    copying = (accuracy or 0) >= 0.95 and greedy.truncated <= 0.2  # not a turn cut off
     if greedy.success < 0.5 * expert:
         warnings.append(
             f"after SFT the policy solves {greedy.success:.0%} of held-out tasks greedily, the "
             f"expert {expert:.0%}: RL has little to start from. "
-            + (_COPYING.format(accuracy=accuracy) if (accuracy or 0) >= 0.95 else f"Try {bigger}.")
+            + (_COPYING.format(accuracy=accuracy) if copying else f"Try {bigger}.")
         )
     if greedy.truncated > 0.2:
         warnings.append(

@@ -80,3 +80,5 @@ def test_a_policy_that_fits_the_tokens_but_fails_the_tasks_is_told_to_look_at_co
     assert "solves 10% of held-out tasks greedily" in warning
     assert "predicts 98% of the demonstrations' tokens" in warning
     assert "agentrl show RUN_DIR --worst" in warning and "sft.epochs" in warning
+    truncated = diagnose(cfg, dict(report), {"greedy": result(0.0, truncated=0.9)})
+    assert not any("must copy" in w for w in truncated)  # cut-off turns get their own warning
