@@ -98,11 +98,12 @@ class WorkerHost:
         worker reports its restart even before its serve loop is rebuilt."""
         from rollout.worker import summarize
 
+        restarts = {"restarts": float(self.starts - 1)}
         if self.rollouts is None:
-            return {"restarts": float(self.starts - 1)}
+            return restarts
         trajs, counters = self.rollouts.drain()
         stats = summarize(trajs, seconds=0.0) if trajs else {}
-        return {**stats, **counters, "restarts": float(self.starts - 1)}
+        return {**stats, **counters, **restarts}
 
     def pid(self) -> int:
         return os.getpid()

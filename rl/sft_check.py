@@ -47,6 +47,8 @@ def heldout_report(cfg: RunConfig, model, renderer) -> dict[str, float]:
     }
 
 
+_TRUNCATED = 0.2  # a larger share of truncated post-SFT episodes is a warning of its own
+
 # Measured (docs/environments.md, "Starting from the template"): a policy that fits the
 # demonstrations' tokens yet fails the tasks usually misses the one span it must copy.
 _COPYING = (
@@ -88,14 +90,14 @@ def diagnose(cfg: RunConfig, report: dict[str, float], evals: dict[str, EvalResu
             f"raised). Try {bigger}; `agentrl show RUN_DIR --worst` shows what it writes."
         )
     expert = report.get("sft/expert_success", 1.0)
-    copying = (accuracy or 0) >= 0.95 and greedy.truncated <= 0.2  # not a turn cut off
+    copying = (accuracy or 0) >= 0.95 and greedy.truncated <= _TRUNCATED  # not a turn cut off
     if greedy.success < 0.5 * expert:
         warnings.append(
             f"after SFT the policy solves {greedy.success:.0%} of held-out tasks greedily, the "
             f"expert {expert:.0%}: RL has little to start from. "
             + (_COPYING.format(accuracy=accuracy) if copying else f"Try {bigger}.")
         )
-    if greedy.truncated > 0.2:
+    if greedy.truncated > _TRUNCATED:
         warnings.append(
             f"{greedy.truncated:.0%} of the post-SFT evaluation episodes were truncated: raise "
             f"rollout.max_new_tokens (now {cfg.rollout.max_new_tokens}) if turns are cut off, or "
