@@ -47,9 +47,10 @@ def serve_worker(host, params: SamplingParams) -> None:
     )
     gate = StalenessGate(client, names, cfg.trainer, loop.session)
     stop = host.stop_event.is_set
-    fault = os.environ.get("AGENTRL_FAULT_KILL_WORKER", "")
-    if fault.partition(":")[0] == str(host.index) and host.starts == 1:
-        stop = _killer(host, int(fault.partition(":")[2] or 1))
+    who, _, groups = os.environ.get("AGENTRL_FAULT_KILL_WORKER", "").partition(":")
+    if who in (str(host.index), "any") and host.starts == 1:
+        chosen = f"{names['prefix']}:fault:killed-worker" if who == "any" else None
+        stop = _killer(host, int(groups or 1), client, chosen)
     host.rollouts.run(
         params,
         should_stop=stop,
@@ -59,16 +60,21 @@ def serve_worker(host, params: SamplingParams) -> None:
     )
 
 
-def _killer(host, groups: int):
-    """Fault injection for the worker-crash test: AGENTRL_FAULT_KILL_WORKER=<index>:<groups>
+def _killer(host, groups: int, client, chosen: str | None):
+    """Fault injection for the worker-crash tests: AGENTRL_FAULT_KILL_WORKER=<index>:<groups>
     SIGKILLs worker <index> (its first incarnation) once it has finished <groups> groups and
     holds an unfinished episode saved to Redis (so the crash is mid-episode): it saves its live
-    episodes first, as a turn boundary or a spent token budget would, whether or not one came."""
+    episodes first, as a turn boundary or a spent token budget would, whether or not one came.
+    <index> `any`: the first worker to get there (a Redis SET NX in `chosen` picks one), so the
+    kill does not wait on which worker claims the tasks."""
+    state = {"armed": True}
 
     def stop() -> bool:
         r = host.rollouts
-        if r.produced_groups >= groups and r.save_live():
-            os.kill(os.getpid(), signal.SIGKILL)
+        if state["armed"] and r.produced_groups >= groups and r.save_live():
+            if chosen is None or client.set(chosen, host.index, nx=True):
+                os.kill(os.getpid(), signal.SIGKILL)
+            state["armed"] = False  # another worker was chosen
         return host.stop_event.is_set()
 
     return stop

@@ -12,15 +12,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 def test_a_killed_worker_is_restarted_and_its_episodes_retried(tmp_path):
-    """Worker 0 is SIGKILLed mid-episode (as soon as it holds live episodes, saved first):
-    Ray restarts it, its own pending tasks are reclaimed, episodes continue from their
-    snapshots. The kill lands at step 1, so that the restart shows before the run ends on a
-    slow machine (waiting for its Nth group put the kill as late as step 7 whenever worker 1
-    claimed the tasks first)."""
+    """A worker is SIGKILLed mid-episode (the first to hold live episodes, saved first): Ray
+    restarts it, its own pending tasks are reclaimed, episodes continue from their snapshots.
+    The kill lands at step 1 whichever worker claims the tasks, so that the restart shows before
+    the run ends on any machine (CI twice saw worker 0 claim nothing in the whole 8-step run
+    while worker 1 took every task, so a kill aimed at worker 0 never fired)."""
     steps = 8
     proc = train(
         [CONFIG, *overrides(tmp_path, steps), "rollout.tool_timeout_s=30"],
-        env={"AGENTRL_FAULT_KILL_WORKER": "0:0"},
+        env={"AGENTRL_FAULT_KILL_WORKER": "any:0"},
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     run_dir = run_dir_of(tmp_path)
