@@ -151,24 +151,42 @@ def _learner_step(learner, serving: list) -> dict:
 
 def _worker_metrics(workers, seconds: float, late: list) -> dict[str, float]:
     """The workers' counters since the last step. A worker that does not answer within 10 s
-    (busy, or restarting) is read at a later step: its drained counters are never dropped."""
-    refs = [*late, *(w.drain.remote() for w in workers)]
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=10)
-    late[:] = pending
-    stats = []
-    for ref in ready:
+    (busy, or restarting) is read at a later step: its drained counters are never dropped.
+    `late` holds (worker index, reference) pairs."""
+    pairs = [*late, *((i, w.drain.remote()) for i, w in enumerate(workers))]
+    ready, pending = ray.wait([ref for _, ref in pairs], num_returns=len(pairs), timeout=10)
+    ready, pending = set(ready), set(pending)
+    late[:] = [(i, ref) for i, ref in pairs if ref in pending]
+    stats, tokens = [], dict.fromkeys(range(len(workers)), 0.0)
+    for i, ref in pairs:
         try:
-            stats.append(ray.get(ref))
+            stat = ray.get(ref) if ref in ready else None
         except ray.exceptions.RayError:
+            stat = None
+        if stat is None:
+            tokens[i] = None
             continue
+        stats.append(stat)
+        if tokens[i] is not None:
+            tokens[i] += stat.get("generated_tokens", 0.0)
     out = {
         "workers/idle_seconds": sum(s.get("idle_seconds", 0.0) for s in stats),
         "workers/paused_seconds": sum(s.get("paused_seconds", 0.0) for s in stats),
         "workers/restored_episodes": sum(s.get("restored_episodes", 0.0) for s in stats),
         "workers/restarted": sum(s.get("restarts", 0.0) for s in stats),
         "workers/answering": float(len(stats)),
+        **token_share_min(tokens),
     }
     episodes = [{**s, "seconds": seconds} for s in stats if s.get("episodes")]
     if episodes:
         out.update(rollout_metrics(episodes))
     return out
+
+
+def token_share_min(tokens: dict[int, float | None]) -> dict[str, float]:
+    """The smallest share of this step's finished tokens that one worker produced: 1/N when N
+    workers share the work evenly, 0 when one sat idle. Only when every worker answered."""
+    counts = list(tokens.values())
+    if len(counts) < 2 or None in counts or not sum(counts):
+        return {}
+    return {"workers/token_share_min": min(counts) / sum(counts)}

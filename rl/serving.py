@@ -43,6 +43,7 @@ def serve_worker(host, params: SamplingParams) -> None:
             group_size=cfg.trainer.group_size,
             max_episodes=max(cfg.rollout.max_episodes, cfg.trainer.group_size),
             token_budget=cfg.rollout.token_budget,
+            workers=cfg.rollout.num_workers,
         ),
     )
     gate = StalenessGate(client, names, cfg.trainer, loop.session)

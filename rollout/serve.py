@@ -45,6 +45,7 @@ class ServeOptions:
     group_size: int
     max_episodes: int = 64
     token_budget: int | None = None
+    workers: int = 1  # rollout workers reading the task queue (each takes its share of new tasks)
     claim_idle_ms: int = 20_000
     heartbeat_s: float = 2.0
 
@@ -113,7 +114,11 @@ class AsyncRollouts:
             return
         held = frozenset(g.task.entry_id for g in self.groups.values())
         claimed = self.queue.claim(
-            self.opt.consumer, count, idle_ms=self.opt.claim_idle_ms, held=held
+            self.opt.consumer,
+            count,
+            idle_ms=self.opt.claim_idle_ms,
+            held=held,
+            workers=self.opt.workers,
         )
         for task in claimed:
             if task.group_id in self.groups:  # the same group under a second entry: keep ours

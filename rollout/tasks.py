@@ -90,11 +90,20 @@ class TaskQueue:
 
     # -- workers -------------------------------------------------------------------------------
     def claim(
-        self, consumer: str, count: int, *, idle_ms: int, held: frozenset[str] = frozenset()
+        self,
+        consumer: str,
+        count: int,
+        *,
+        idle_ms: int,
+        held: frozenset[str] = frozenset(),
+        workers: int = 1,
     ) -> list[Task]:
         """Up to `count` tasks: first this consumer's own pending ones (a restarted worker),
         then ones idle past `idle_ms` (a dead worker's), then new ones. `held`: entry ids the
-        caller is working on (never returned, never counted as a new attempt)."""
+        caller is working on (never returned, never counted as a new attempt). `workers`: how
+        many read this queue; new tasks are taken at most ceil(unread / workers) at a time, so
+        one worker with room for all does not leave the others idle (a faster worker, asking
+        more often, still takes more)."""
         entries = [
             e for e in self._own_pending(consumer, count + len(held)) if _text(e[0]) not in held
         ]
@@ -103,13 +112,20 @@ class TaskQueue:
                 self.names["tasks"], GROUP, consumer, idle_ms, count=count - len(entries)
             )
             entries += [e for e in stolen if e[1] and _text(e[0]) not in held]
-        if len(entries) < count:
-            reply = self.client.xreadgroup(
-                GROUP, consumer, {self.names["tasks"]: ">"}, count=count - len(entries)
-            )
+        want = min(count - len(entries), self._share(workers, count))
+        if want > 0:
+            reply = self.client.xreadgroup(GROUP, consumer, {self.names["tasks"]: ">"}, count=want)
             for _, new in reply or []:
                 entries += new
         return [self._task(entry_id, fields) for entry_id, fields in entries[:count]]
+
+    def _share(self, workers: int, count: int) -> int:
+        """ceil(unread tasks / workers); `count` when one worker reads or Redis cannot say."""
+        if workers <= 1:
+            return count
+        info = self.client.xinfo_groups(self.names["tasks"])
+        lag = next((g.get("lag") for g in info if _text(g["name"]) == GROUP), None)
+        return count if lag is None else -(-int(lag) // workers)
 
     def _own_pending(self, consumer: str, count: int) -> list:
         mine = self.client.xpending_range(

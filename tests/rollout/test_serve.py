@@ -131,3 +131,18 @@ def test_a_spent_token_budget_pauses_and_saves_mid_turn(tokenizer, redis_server)
     assert all(t.success for t in group.trajectories)
     versions = {v for t in group.trajectories for v in t.token_versions if v >= 0}
     assert {0, 1, 2} <= versions  # the episodes went on across versions, caches kept
+
+
+def test_a_worker_takes_its_share_of_new_tasks_and_all_of_its_own(redis_server):
+    """With room for every task, one of two workers takes ceil(unread / 2) new ones per claim
+    (before: all of them, and the other worker idled); its own pending tasks (a restarted
+    worker's) come back whole, whatever the share."""
+    queue = TaskQueue(redis_server.client(), "agentrl:test", STREAM)
+    queue.issue([(f"g{i}", i) for i in range(8)])
+    first = queue.claim("w0", 16, idle_ms=60_000, workers=2)
+    second = queue.claim("w1", 16, idle_ms=60_000, workers=2)
+    assert (len(first), len(second)) == (4, 2)  # 8 unread -> 4, then 4 unread -> 2
+    again = queue.claim("w0", 16, idle_ms=60_000, workers=2)  # its 4, and 1 of the 2 unread
+    assert len(again) == 5 and {t.group_id for t in first} < {t.group_id for t in again}
+    assert len(queue.claim("w1", 16, idle_ms=60_000)) == 2 + 1  # one worker: all unread
+    assert queue.claim("w2", 16, idle_ms=60_000, workers=2) == []  # none left: none read
