@@ -112,7 +112,9 @@ class TaskQueue:
                 self.names["tasks"], GROUP, consumer, idle_ms, count=count - len(entries)
             )
             entries += [e for e in stolen if e[1] and _text(e[0]) not in held]
-        want = min(count - len(entries), self._share(workers, count))
+        want = count - len(entries)
+        if want > 0:
+            want = min(want, self._share(workers, want))
         if want > 0:
             reply = self.client.xreadgroup(GROUP, consumer, {self.names["tasks"]: ">"}, count=want)
             for _, new in reply or []:
@@ -120,7 +122,8 @@ class TaskQueue:
         return [self._task(entry_id, fields) for entry_id, fields in entries[:count]]
 
     def _share(self, workers: int, count: int) -> int:
-        """ceil(unread tasks / workers); `count` when one worker reads or Redis cannot say."""
+        """ceil(unread tasks / workers); `count` when one worker reads or Redis cannot say (the
+        group's lag is unknown after deletions past its last delivered entry)."""
         if workers <= 1:
             return count
         info = self.client.xinfo_groups(self.names["tasks"])
