@@ -168,13 +168,14 @@ def _worker_metrics(workers, seconds: float, late: list) -> dict[str, float]:
             continue
         stats.append(stat)
         if tokens[i] is not None:
-            tokens[i] += stat.get("generated_tokens", 0.0)
+            tokens[i] += stat.get("sampled_tokens", 0.0)
     out = {
         "workers/idle_seconds": sum(s.get("idle_seconds", 0.0) for s in stats),
         "workers/paused_seconds": sum(s.get("paused_seconds", 0.0) for s in stats),
         "workers/restored_episodes": sum(s.get("restored_episodes", 0.0) for s in stats),
         "workers/restarted": sum(s.get("restarts", 0.0) for s in stats),
         "workers/answering": float(len(stats)),
+        "workers/sampled_tokens": sum(s.get("sampled_tokens", 0.0) for s in stats),
         **token_share_min(tokens),
     }
     episodes = [{**s, "seconds": seconds} for s in stats if s.get("episodes")]
@@ -184,8 +185,9 @@ def _worker_metrics(workers, seconds: float, late: list) -> dict[str, float]:
 
 
 def token_share_min(tokens: dict[int, float | None]) -> dict[str, float]:
-    """The smallest share of this step's finished tokens that one worker produced: 1/N when N
-    workers share the work evenly, 0 when one sat idle. Only when every worker answered."""
+    """The smallest share of the tokens sampled since the last step (in finished episodes or
+    not) that one worker sampled: 1/N when N workers share the work evenly, 0 when one sat
+    idle. Only when every worker answered."""
     counts = list(tokens.values())
     if len(counts) < 2 or None in counts or not sum(counts):
         return {}

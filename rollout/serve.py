@@ -58,6 +58,7 @@ class AsyncRollouts:
         self.finished: list[Trajectory] = []
         self.counters = {"restored_episodes": 0, "paused_seconds": 0.0, "idle_seconds": 0.0}
         self.produced_groups = 0
+        self.drained_tokens = 0  # loop.generated at the last drain
         self.budget_start = 0
         self.version = loop.session.version
         self.paused = False
@@ -210,10 +211,13 @@ class AsyncRollouts:
         self.counters[key] += time.monotonic() - start
 
     def drain(self) -> tuple[list[Trajectory], dict[str, float]]:
-        """Trajectories finished since the last call, and the counters (then reset)."""
+        """Trajectories finished since the last call, and the counters (then reset), with the
+        tokens sampled since the last call (finished episodes or not)."""
         out, self.finished = self.finished, []
         counters = dict(self.counters)
         self.counters = {k: 0 * v for k, v in self.counters.items()}
+        counters["sampled_tokens"] = float(self.loop.generated - self.drained_tokens)
+        self.drained_tokens = self.loop.generated
         return out, counters
 
 

@@ -75,6 +75,9 @@ def test_groups_are_produced_and_their_tasks_acked_together(tokenizer, redis_ser
             f"{group.group_id}/1",
         ]
         assert all(t.success and t.attempt == 1 and t.resumed == 0 for t in group.trajectories)
+    finished, counters = serve.drain()  # every sampled token, finished episodes or not
+    assert counters["sampled_tokens"] == sum(t.num_generated for t in finished) > 0
+    assert serve.drain()[1]["sampled_tokens"] == 0  # since the last drain
 
 
 def test_a_dead_workers_episodes_continue_from_their_saved_turns(tokenizer, redis_server):
