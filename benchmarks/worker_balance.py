@@ -16,10 +16,10 @@ takes all the new tasks it has room for, as before):
     .venv/bin/python benchmarks/worker_balance.py --peer /tmp/greedy
 
 Reported per run, from metrics.jsonl: the mean of `workers/token_share_min` (the least share of
-a step's finished tokens that one worker produced: 0.5 is even, 0 is one worker idle; steps
-where a worker did not answer in time have none), the steps where it was 0, the RL wall time
-(the sum of `step/seconds`), the seconds the learner waited for groups (`learner/wait_seconds`)
-and the finished tokens per second.
+the tokens sampled since the last step that one worker sampled: 0.5 is even, 0 is one worker
+idle; steps where a worker did not answer in time have none), the steps where it was 0, the RL
+wall time (the sum of `step/seconds`), the seconds the learner waited for groups
+(`learner/wait_seconds`) and the finished tokens per second.
 """
 
 from __future__ import annotations
