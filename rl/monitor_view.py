@@ -171,7 +171,7 @@ def workers(state: MonitorState, now: float) -> RenderableType:
         ("workers/answering", "workers answering"),
         ("workers/restarted", "worker restarts"),
         ("workers/restored_episodes", "episodes restored"),
-        ("workers/token_share_min", "least worker's share of tokens"),
+        ("workers/token_share_min", "least worker's share of sampled tokens"),
         ("rollout/errors", "rollout errors"),
         ("learner/skipped_steps", "skipped learner steps"),
         ("redis/stream_entries", "trajectory stream entries"),
