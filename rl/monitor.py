@@ -84,6 +84,8 @@ class MonitorState:
     finished: bool = False
     workers_seen: int = 0
     restarts_seen: float = 0.0
+    idle_after: int = 3  # steps in a row in which one worker sampled nothing: an alarm
+    idle_streak: int = 0
     panel: int = 0
     detector: CollapseDetector | None = None
 
@@ -112,10 +114,24 @@ class MonitorState:
         if answering < self.workers_seen:
             self._alarm(f"step {step}: {self.workers_seen - answering} rollout worker(s) silent")
         self.workers_seen = max(self.workers_seen, answering)
+        self._watch_idle(record, step)
         restarts = record.get("workers/restarted", 0.0)  # the count since the run started
         if restarts > self.restarts_seen:
             self._alarm(f"step {step}: a rollout worker restarted ({restarts:.0f} so far)")
             self.restarts_seen = restarts
+
+    def _watch_idle(self, record: dict, step) -> None:
+        """Async runs: a worker that answers but samples nothing, step after step, is stuck on
+        tools, held back by the staleness gate, or gets no tasks."""
+        share = record.get("workers/token_share_min")
+        if share is None:
+            return
+        self.idle_streak = self.idle_streak + 1 if share == 0 else 0
+        if self.idle_streak == self.idle_after:
+            self._alarm(
+                f"step {step}: a rollout worker sampled nothing for {self.idle_after} steps in a "
+                "row (waiting on tools, held back by trainer.max_staleness, or given no tasks)"
+            )
 
     def _alarm(self, text: str) -> None:
         if text not in self.alarms:

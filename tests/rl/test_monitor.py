@@ -85,6 +85,20 @@ def test_alarms_nan_collapse_silent_worker_and_stall():
     assert state.stalled(now=1000.0) is None
 
 
+def test_a_worker_that_samples_nothing_for_three_steps_raises_one_alarm():
+    state = MonitorState()
+    shares = [0.0, 0.4, 0.0, 0.0, None, 0.0, 0.0, 0.0]  # None: a step without the figure
+    records = [{"phase": "train", "step": i + 1} for i in range(len(shares))]
+    for record, share in zip(records, shares, strict=True):
+        if share is not None:
+            record["workers/token_share_min"] = share
+    state.add(records, now=0.0)
+    assert state.alarms == [
+        "step 6: a rollout worker sampled nothing for 3 steps in a row (waiting on tools, held "
+        "back by trainer.max_staleness, or given no tasks)"
+    ]
+
+
 def test_the_file_source_returns_complete_lines_only(tmp_path):
     path = tmp_path / "metrics.jsonl"
     source = JsonlSource(path)
