@@ -84,9 +84,15 @@ class TaskQueue:
 
     def backlog(self) -> int:
         """Tasks issued but not finished (pending or not yet read)."""
+        pending = int(self.client.xpending(self.names["tasks"], GROUP)["pending"])
+        return pending + (self.unread() or 0)
+
+    def unread(self) -> int | None:
+        """Tasks issued but not yet read by any worker (the group's lag); None when Redis cannot
+        say (after deletions past the group's last delivered entry)."""
         info = self.client.xinfo_groups(self.names["tasks"])
-        lag = next((g.get("lag") or 0 for g in info if _text(g["name"]) == GROUP), 0)
-        return int(self.client.xpending(self.names["tasks"], GROUP)["pending"]) + int(lag)
+        lag = next((g.get("lag") for g in info if _text(g["name"]) == GROUP), None)
+        return None if lag is None else int(lag)
 
     # -- workers -------------------------------------------------------------------------------
     def claim(
@@ -122,13 +128,9 @@ class TaskQueue:
         return [self._task(entry_id, fields) for entry_id, fields in entries[:count]]
 
     def _share(self, workers: int, count: int) -> int:
-        """ceil(unread tasks / workers); `count` when one worker reads or Redis cannot say (the
-        group's lag is unknown after deletions past its last delivered entry)."""
-        if workers <= 1:
-            return count
-        info = self.client.xinfo_groups(self.names["tasks"])
-        lag = next((g.get("lag") for g in info if _text(g["name"]) == GROUP), None)
-        return count if lag is None else -(-int(lag) // workers)
+        """ceil(unread tasks / workers); `count` when one worker reads or Redis cannot say."""
+        unread = self.unread() if workers > 1 else None
+        return count if unread is None else -(-unread // workers)
 
     def _own_pending(self, consumer: str, count: int) -> list:
         mine = self.client.xpending_range(
