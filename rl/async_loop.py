@@ -154,21 +154,16 @@ def _worker_metrics(workers, seconds: float, late: list) -> dict[str, float]:
     (busy, or restarting) is read at a later step: its drained counters are never dropped.
     `late` holds (worker index, reference) pairs."""
     pairs = [*late, *((i, w.drain.remote()) for i, w in enumerate(workers))]
-    ready, pending = ray.wait([ref for _, ref in pairs], num_returns=len(pairs), timeout=10)
-    ready, pending = set(ready), set(pending)
-    late[:] = [(i, ref) for i, ref in pairs if ref in pending]
-    stats, tokens = [], dict.fromkeys(range(len(workers)), 0.0)
-    for i, ref in pairs:
-        try:
-            stat = ray.get(ref) if ref in ready else None
-        except ray.exceptions.RayError:
-            stat = None
-        if stat is None:
-            tokens[i] = None
-            continue
-        stats.append(stat)
-        if tokens[i] is not None:
-            tokens[i] += stat.get("sampled_tokens", 0.0)
+    ready, _ = ray.wait([ref for _, ref in pairs], num_returns=len(pairs), timeout=10)
+    ready = set(ready)
+    late[:] = [(i, ref) for i, ref in pairs if ref not in ready]
+    answers = [(i, _answer(ref)) for i, ref in pairs if ref in ready]
+    stats = [s for _, s in answers if s is not None]
+    missing = {i for i, _ in late} | {i for i, s in answers if s is None}
+    tokens = {
+        i: None if i in missing else sum(s.get("sampled_tokens", 0.0) for j, s in answers if j == i)
+        for i in range(len(workers))
+    }
     out = {
         "workers/idle_seconds": sum(s.get("idle_seconds", 0.0) for s in stats),
         "workers/paused_seconds": sum(s.get("paused_seconds", 0.0) for s in stats),
@@ -182,6 +177,13 @@ def _worker_metrics(workers, seconds: float, late: list) -> dict[str, float]:
     if episodes:
         out.update(rollout_metrics(episodes))
     return out
+
+
+def _answer(ref) -> dict | None:
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError:  # the worker died with the call: its restart reports
+        return None
 
 
 def token_share_min(tokens: dict[int, float | None]) -> dict[str, float]:
