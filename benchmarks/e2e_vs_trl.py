@@ -12,11 +12,12 @@ every sample on every side is exactly one assistant turn of `--tokens` sampled t
 - TRL: `max_completion_length=N` and `generation_kwargs={"min_new_tokens": N}` (transformers
   masks EOS until N new tokens, and N is also the cap).
 - agentrl: `rollout.max_new_tokens=N` with the stop token removed from the `SamplingParams` the
-  driver hands the rollout workers. There is no run-file knob for that (`rl/build.py sampling()`
+  driver hands the rollout workers. There is no run-file knob for that (`rl/run/build.py sampling()`
   always adds the EOS stop token), so the driver runs in a subprocess of this script that
-  replaces `sampling` in `rl.loop` / `rl.async_loop` with a copy whose `stop_token_ids=()`; no
-  library file is changed. A turn that reaches max_new_tokens ends the episode (truncated) on
-  both sides, so every episode is exactly one N-token turn.
+  replaces `sampling` in the loops and evaluations (`rl.run.sync_loop`, `async_loop`, `evals`)
+  with a copy whose `stop_token_ids=()`; no library file is changed. A turn that reaches
+  max_new_tokens ends the episode (truncated) on both sides, so every episode is exactly one
+  N-token turn.
 
 Both sides start from one freshly initialised model and one tokenizer (trained on both chat
 formats), with no SFT (nothing is learned on this workload: no episode can finish, so task
@@ -118,8 +119,8 @@ def build_policy(cfg, out: Path) -> Path:
     """One fresh model + tokenizer for both sides; the BPE is trained on both chat formats."""
     from policy.hf import build_model
     from policy.tokenizer import build_tokenizer, render_conversations
-    from rl.build import ERROR_SAMPLES
-    from rl.sft import expert_demonstrations
+    from rl.run.build import ERROR_SAMPLES
+    from rl.sft.warm_start import expert_demonstrations
 
     demos = expert_demonstrations(cfg, 400, error_rate=0.5, seed=cfg.seed + 7919)
     ours = render_conversations((d.messages, d.tools) for d in demos)
@@ -148,7 +149,7 @@ def prompt_tokens(cfg, init: Path, tasks: int = 32) -> dict[str, float]:
     """Mean prompt length of the first `tasks` tasks, in each side's own format."""
     from envs.interop import trl_environment
     from policy.hf import load_tokenizer
-    from rl.build import make_env
+    from rl.run.build import make_env
     from rollout.render import ChatRenderer
 
     tokenizer = load_tokenizer(init)
@@ -173,17 +174,18 @@ def ours_driver(argv: list[str]) -> int:
     """`agentrl train` with the stop token removed from the rollout SamplingParams."""
     import dataclasses
 
-    import rl.async_loop
-    import rl.build
-    import rl.loop
+    import rl.run.async_loop
+    import rl.run.build
+    import rl.run.evals
+    import rl.run.sync_loop
     from rl.cli import main
 
-    original = rl.build.sampling
+    original = rl.run.build.sampling
 
     def fixed_length(cfg, renderer, *, greedy: bool = False):
         return dataclasses.replace(original(cfg, renderer, greedy=greedy), stop_token_ids=())
 
-    for module in (rl.build, rl.loop, rl.async_loop):
+    for module in (rl.run.build, rl.run.sync_loop, rl.run.async_loop, rl.run.evals):
         module.sampling = fixed_length
     return main(argv)
 
@@ -424,7 +426,7 @@ def main() -> None:
     )
     parser.add_argument("--set", nargs="*", default=[], help="more run-file overrides (k=v)")
     args = parser.parse_args()
-    from rl.config import load_config
+    from rl.config.runfile import load_config
 
     cfg = load_config(ROOT / "configs/quickstart.yaml", overrides(args))
     args.out.mkdir(parents=True, exist_ok=True)

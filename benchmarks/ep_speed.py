@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 from policy.k3.moe import StableLatentMoE
 from policy.parallel import build_meshes, parallelize
-from rl.launch import free_port
+from rl.run.launch import free_port
 
 
 def parse_args() -> argparse.Namespace:

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from policy.hf import build_model
 from policy.logprobs import token_logprobs
-from rl.config import TrainerConfig
-from rl.learner import Learner
+from rl.config.runfile import TrainerConfig
+from rl.learner.learner import Learner
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
 MODEL = {

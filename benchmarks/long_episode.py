@@ -5,7 +5,7 @@ configs/long_context.yaml (8K, 64K, 256K, 1M tokens).
 
 The episode is the env's scripted expert's (its tool calls read whole documents into the
 context), tokenized with a byte-level BPE trained on the task's text. The engine runs it the way a
-worker does (`policy.session.open_session(K3Policy)`): every message is added to the episode's
+worker does (`policy.engines.open_session(K3Policy)`): every message is added to the episode's
 persistent cache by chunked prefill of its new tokens only, and after every tool result the policy
 decodes `--decode` tokens at that context length (what sampling an assistant turn costs; the
 expert's own turn is then added as the context's next tokens). Each stage runs in a fresh
@@ -39,8 +39,8 @@ def episode_messages(stage: str, seed: int):
     import envs  # noqa: F401
     from envs import make_expert
     from envs.expert import demonstrate
-    from rl.config import load_config
-    from rl.curriculum import staged
+    from rl.config.runfile import load_config
+    from rl.run.curriculum import staged
 
     cfg = load_config(ROOT / "configs/long_context.yaml", [])
     index = [s.name for s in cfg.curriculum].index(stage)
@@ -53,10 +53,10 @@ def episode_messages(stage: str, seed: int):
 def run_stage(stage: str, seed: int, decode: int) -> dict:
     import torch
 
+    from policy.engines import open_session
     from policy.k3 import K3ForCausalLM, k3_preset
     from policy.k3.engine import K3Policy
     from policy.sampling import SamplingParams
-    from policy.session import open_session
     from policy.tokenizer import build_tokenizer
 
     torch.set_num_threads(2)

@@ -28,10 +28,10 @@ import time
 import numpy as np
 import torch
 
+from policy.engines import open_session
 from policy.k3 import K3ForCausalLM, k3_preset
 from policy.k3.engine import K3Policy
 from policy.sampling import SamplingParams
-from policy.session import open_session
 
 
 def script(args, turns: int, vocab: int, seed: int = 0):

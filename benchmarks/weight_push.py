@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from policy.hf import checksum, import_verified
-from rl.weights import Publisher, Receiver, connect_broadcast, push_weights
+from rl.run.weights import Publisher, Receiver, connect_broadcast, push_weights
 
 
 def fake_model(total_mb: int) -> dict[str, np.ndarray]:
@@ -57,7 +57,7 @@ class Learner:
         self.version = 0
         self.publisher = Publisher(self.export, bucket_mb=bucket_mb)
 
-    def export(self):  # what rl/learner.py's export does, less gathering the tensors
+    def export(self):  # what rl/learner/learner.py's export does, less gathering the tensors
         self.version += 1
         return self.version, self.weights, None  # the publisher hashes while it stores
 

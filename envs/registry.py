@@ -81,7 +81,7 @@ def check_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
     RegistrationError naming the kwarg at fault (an unknown one, with the closest name)."""
     spec = gymnasium.registry.get(env_id)
     if spec is None:
-        raise RegistrationError(f"no environment {env_id!r} is registered; known: {env_ids()}")
+        raise RegistrationError(unknown_env(env_id))
     target = _target(spec.entry_point)  # a class or a factory function
     try:
         signature = inspect.signature(target)
@@ -107,6 +107,39 @@ def check_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
         raise RegistrationError(f"{env_id} ({_name(target)}): {exc}") from None
 
 
+def unknown_env(env_id: str) -> str:
+    """Why `env_id` cannot be made, with the closest registered ids (a registry lookup and
+    difflib: nothing is imported)."""
+    ours = env_ids()
+    close = difflib.get_close_matches(env_id, ours, n=2) or difflib.get_close_matches(
+        env_id, list(gymnasium.registry), n=2
+    )
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    return (
+        f"no environment {env_id!r} is registered; {hint}known: {', '.join(ours)} "
+        "(`agentrl envs list`; a new env needs env.entry_point)"
+    )
+
+
+def check_build(env_id: str, kwargs: dict[str, Any]) -> None:
+    """Build the env once with `kwargs`, as `gymnasium.make` does in a run, and close it; an
+    exception (a value its constructor refuses, a resource it cannot get) becomes a
+    RegistrationError naming the kwarg its message names, if any."""
+    try:
+        env = gymnasium.make(env_id, **kwargs)
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        key = next((k for k in kwargs if re.search(rf"\b{re.escape(k)}\b", str(exc))), None)
+        shown = f" {key}={kwargs[key]!r}" if key is not None else ""
+        raise RegistrationError(
+            f"{env_id} refused{shown} when built: {text}", key=key
+        ) from None
+    try:
+        env.close()
+    except Exception:  # closing is not what is checked
+        pass
+
+
 def _target(entry: Any) -> Any:
     return load_object(entry) if isinstance(entry, str) else entry
 
@@ -128,7 +161,7 @@ def ensure_registered(env_id: str, entry_point: str | None = None, **kwargs: Any
     """
     if entry_point is None:
         if env_id not in gymnasium.registry:
-            raise RegistrationError(f"no environment {env_id!r} is registered; known: {env_ids()}")
+            raise RegistrationError(unknown_env(env_id))
         return
     target = load_object(entry_point)
     if not (isinstance(target, type) and issubclass(target, gymnasium.Env)):
@@ -206,7 +239,7 @@ def env_ids() -> list[str]:
 def env_class(env_id: str) -> type:
     """The class behind a registered id (imports its module)."""
     if env_id not in gymnasium.registry:
-        raise RegistrationError(f"no environment {env_id!r} is registered; known: {env_ids()}")
+        raise RegistrationError(unknown_env(env_id))
     target = _target(gymnasium.registry[env_id].entry_point)
     if not isinstance(target, type):
         raise RegistrationError(f"{env_id!r} is made by {target!r}, not by a class")

@@ -28,8 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from transformers.utils import get_json_schema
-
 from envs.types import Message, tool_result
 
 MAX_RESULT_CHARS = 4096
@@ -54,6 +52,8 @@ class ToolError(Exception):
 
 def _schema_for(fn: Callable[..., Any]) -> dict[str, Any]:
     """JSON schema of `fn`, ignoring a leading `self` (tools are usually env methods)."""
+    from transformers.utils import get_json_schema  # here: `import envs` stays fast (no hub)
+
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
     if params and params[0].name == "self":

@@ -1,10 +1,13 @@
-"""Pick the rollout engine for a policy model."""
+"""Pick the rollout engine for a policy model (`rollout_policy`) and the decode session for a
+rollout engine (`open_session`): the one place that knows every engine and session."""
 
 from __future__ import annotations
 
 from policy.hf import HFPolicy
-from policy.k3.engine import K3Policy
+from policy.hf_session import HFSession
+from policy.k3.engine import K3Policy, K3Session
 from policy.k3.modeling import K3ForCausalLM
+from policy.session import DecodeSession
 
 
 def rollout_policy(
@@ -21,3 +24,13 @@ def rollout_policy(
             record_routing=record_routing,
         )
     return HFPolicy(model, pad_token_id=pad_token_id, seed=seed)
+
+
+def open_session(policy) -> DecodeSession:
+    """The session for an existing policy, sharing its model, generator, version and routing
+    setting: K3Policy -> K3Session; HFPolicy -> HFSession."""
+    if isinstance(policy, K3Policy):
+        return K3Session(policy)
+    if isinstance(policy, HFPolicy):
+        return HFSession(policy)
+    raise TypeError(f"no decode session for {type(policy).__name__}")

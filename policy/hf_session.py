@@ -11,7 +11,7 @@ position_ids give each key its own positions; afterwards each key's real slots a
 out of the batched cache, so a key's cache always holds exactly its own tokens. Other caches
 (sliding windows, linear attention, K3Cache) are fed one key at a time. Stacking copies the
 caches of the keys in the forward (O(their tokens) per step): this is the generic engine, the
-K3 one (policy/k3/session.py) keeps its rows in place.
+K3 one (policy/k3/engine/session.py) keeps its rows in place.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from policy.hf import HFPolicy
+from policy.k3.cache import K3Cache
 from policy.sampling import SamplingParams, sample_next
 from policy.session import PolicyBound, Sampled, check_keys
 
@@ -102,8 +103,6 @@ class HFSession(PolicyBound):
         """Keys and values of every attention layer for `tokens` tokens (K3 models: K3Cache)."""
         config, dtype = self.model.config, self.model.get_input_embeddings().weight.dtype
         if hasattr(config, "linear_attn_config"):
-            from policy.k3.cache import K3Cache
-
             return K3Cache.row_bytes(config, tokens, dtype)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = (

@@ -1,5 +1,10 @@
 """Per-episode decode sessions: each live episode keeps its cache across turns.
 
+This module holds what every session shares (the DecodeSession protocol, Sampled, PolicyBound,
+check_keys) and imports no implementation: policy/hf_session.py (HFSession) and
+policy/k3/engine/session.py (K3Session) import it, and policy.engines.open_session, the one
+dispatch from a policy to its session, imports them.
+
 A rollout's agent loop without a barrier: every episode is a key; its prompt is `add`ed once,
 then it alternates `step` calls (one sampled token each, batched with whatever other episodes
 are generating at that moment) and `add` calls (a tool observation: a chunked prefill of those
@@ -111,23 +116,6 @@ class PolicyBound:
 
     def reseed(self, seed: int) -> None:
         self.policy.reseed(seed)
-
-
-def open_session(policy) -> DecodeSession:
-    """The session for an existing policy, sharing its model, generator, version and routing
-    setting: policy.k3.engine.K3Policy -> K3Session; policy.hf.HFPolicy -> HFSession."""
-    from policy.hf import HFPolicy
-    from policy.k3.engine import K3Policy
-
-    if isinstance(policy, K3Policy):
-        from policy.k3.session import K3Session
-
-        return K3Session(policy)
-    if isinstance(policy, HFPolicy):
-        from policy.hf_session import HFSession
-
-        return HFSession(policy)
-    raise TypeError(f"no decode session for {type(policy).__name__}")
 
 
 def check_keys(keys: list[Hashable], token_ids: list[list[int]] | None = None) -> None:

@@ -20,9 +20,9 @@ import os
 import sys
 from pathlib import Path
 
-from rl.config import ConfigError, RunConfig, load_config, run_file_schema
-from rl.devices import check_devices
-from rl.trackers import check_installed
+from rl.config.runfile import ConfigError, RunConfig, load_config, run_file_schema
+from rl.observe.trackers import check_installed
+from rl.run.devices import check_devices
 
 
 def _check_env(cfg: RunConfig) -> None:
@@ -69,7 +69,7 @@ def cmd_train(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    from rl.loop import Resume, make_run_dir, say, train
+    from rl.run.train import Resume, make_run_dir, say, train
 
     resume = None
     if args.resume:
@@ -78,9 +78,9 @@ def cmd_train(args) -> int:
         resume = Resume(rng="rng" not in skip, stream="stream" not in skip)
     else:
         run_dir = make_run_dir(cfg)
-    from rl.checkpoint import CheckpointError
-    from rl.failures import explain
-    from rl.placement import PlacementError
+    from rl.learner.checkpoint import CheckpointError
+    from rl.run.failures import explain
+    from rl.run.placement import PlacementError
 
     try:
         summary = train(cfg, run_dir, resume)
@@ -111,7 +111,7 @@ def cmd_check(args) -> int:
 
 def cmd_config(args) -> int:
     if args.action == "docs":
-        from rl.config_docs import run_file_reference
+        from rl.config.docs import run_file_reference
 
         text, what = run_file_reference(), "the run-file reference"
     else:
@@ -125,7 +125,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from rl.plot import plot_run
+    from rl.observe.plot import plot_run
 
     print(plot_run(Path(args.run_dir)))
     return 0
@@ -135,7 +135,8 @@ def cmd_monitor(args) -> int:
     import redis
     import yaml
 
-    from rl.monitor import JsonlSource, MonitorState, RedisSource, run_monitor
+    from rl.observe.monitor import JsonlSource, RedisSource, run_monitor
+    from rl.observe.monitor_state import MonitorState
 
     if args.redis:
         if not args.run:
@@ -163,7 +164,7 @@ def cmd_monitor(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from rl.show import ShowError, run
+    from rl.observe.show import ShowError, run
 
     try:
         return run(args)
@@ -174,7 +175,7 @@ def cmd_show(args) -> int:
 
 def cmd_envs(args) -> int:
     from envs.check import check_tool_env, list_envs
-    from rl.config import parse_overrides
+    from rl.config.runfile import parse_overrides
 
     if args.action == "list":
         print(list_envs())
@@ -267,7 +268,7 @@ def add_show(sub, common) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from rl.console import configure, level_from_flags
+    from rl.observe.console import configure, level_from_flags
 
     configure(level_from_flags(args.verbose, args.quiet))
     try:

@@ -11,8 +11,8 @@ the variable for `agentrl train` reaches every worker and the learner.
     AGENTRL_FAULT_DISK_FULL_AT=S          the checkpoint of step S fails with ENOSPC halfway
                                           through the learner's tensor file
 
-Two older ones live where they act: AGENTRL_FAULT_KILL_WORKER (rl/serving.py) and
-AGENTRL_FAULT_KILL_LEARNER_AT (rl/actors.py).
+Two older ones live where they act: AGENTRL_FAULT_KILL_WORKER (rl/run/serving.py) and
+AGENTRL_FAULT_KILL_LEARNER_AT (rl/run/actors.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def disk_full(directory: Path, step: int, rank: int) -> None:
     if _value("DISK_FULL_AT") != str(step):
         return
     shards = sorted((Path(directory) / "learner").glob(f"shard-{rank + 1:05d}-*.safetensors"))
-    path = shards[0]  # this rank's weights and optimizer state (rl/learner_state.py, DCP)
+    path = shards[0]  # this rank's weights and optimizer state (rl/learner/state.py, DCP)
     with open(path, "r+b") as fh:
         fh.truncate(path.stat().st_size // 2)
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

@@ -23,7 +23,6 @@ next decode step, in episode order, so a run is reproducible bit for bit; async 
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from policy.sampling import SamplingParams
-from rollout.episode import EpisodeLimits, open_episode
+from rollout.episode import EpisodeLimits, apply_env_step, open_episode
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Trajectory
 
@@ -257,25 +256,10 @@ class AgentLoop:
         episode.tool_deadline = time.monotonic() + self.tool_timeout_s
 
     def _after_env_step(self, episode: Episode, future: Future) -> None:
-        traj = episode.traj
-        try:
-            observation, step_reward, terminated, truncated, info = future.result()
-        except Exception as exc:  # an env bug ends this episode, not the worker
-            episode.finish(RolloutStatus.ENV_ERROR, f"{type(exc).__name__}: {exc}")
+        ids = apply_env_step(episode, future.result, self.renderer)
+        if ids is None:
             return
-        traj.env_reward += float(step_reward)
-        traj.num_tool_calls += int(info.get("tool_calls", 0))
-        traj.num_tool_errors += int(info.get("tool_errors", 0))
-        if terminated or truncated:
-            traj.messages.extend(observation)
-            status = RolloutStatus.COMPLETED if terminated else RolloutStatus.TRUNCATED
-            detail = "env terminated" if terminated else "env truncated"
-            episode.finish(status, detail, info.get("outcome"))
-            return
-        ids = self.renderer.observation(traj.messages, observation, episode.tools)
-        traj.messages.extend(copy.deepcopy(observation))
-        traj.append(ids, sampled=False)
-        if traj.num_turns >= self.limits.max_turns:
+        if episode.traj.num_turns >= self.limits.max_turns:
             episode.finish(RolloutStatus.TRUNCATED, "out of turns")
             return
         episode.feed = ids

@@ -8,10 +8,10 @@ tokens with loss mask 0. Finished episodes drop out; the rest go round again.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from envs.types import Message
 from policy.sampling import Completion, SamplingParams
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Trajectory
@@ -113,26 +113,35 @@ def _advance(episode: _Episode, completion: Completion, version: int, renderer) 
     parsed = renderer.parse(completion.token_ids)
     traj.num_parse_errors += len(parsed.errors)
     traj.messages.append(parsed.message)
+    apply_env_step(episode, lambda: episode.env.step(parsed.message), renderer)
+
+
+def apply_env_step(episode, step: Callable[[], tuple], renderer: ChatRenderer) -> list[int] | None:
+    """Apply one env step to `episode` (anything with `traj`, `tools` and `finish`: `_Episode`
+    here, `Episode` in rollout/agent.py). `step()` gives the step's (observation, reward,
+    terminated, truncated, info): it runs `env.step`, or returns the result of one run
+    elsewhere (a finished future's `result`). If it raises, the episode ends as an env error (an
+    env bug ends this episode, not the worker). Otherwise the reward and the tool-call and
+    tool-error counts are added; a terminated or truncated step finishes the episode (its last
+    observation kept as messages only, its `outcome` recorded); any other step's observation is
+    rendered and appended as tokens with loss mask 0. Returns those tokens, or None when the
+    episode finished."""
+    traj = episode.traj
     try:
-        observation, step_reward, terminated, truncated, info = episode.env.step(parsed.message)
+        observation, step_reward, terminated, truncated, info = step()
     except Exception as exc:  # an env bug ends this episode, not the worker
         episode.finish(RolloutStatus.ENV_ERROR, f"{type(exc).__name__}: {exc}")
-        return
+        return None
     traj.env_reward += float(step_reward)
     traj.num_tool_calls += int(info.get("tool_calls", 0))
     traj.num_tool_errors += int(info.get("tool_errors", 0))
     if terminated or truncated:
-        status = RolloutStatus.COMPLETED if terminated else RolloutStatus.TRUNCATED
         traj.messages.extend(observation)
-        episode.finish(
-            status, "env terminated" if terminated else "env truncated", info.get("outcome")
-        )
-        return
-    _append_observation(episode, observation, renderer)
-
-
-def _append_observation(episode: _Episode, observation: list[Message], renderer) -> None:
-    traj = episode.traj
+        status = RolloutStatus.COMPLETED if terminated else RolloutStatus.TRUNCATED
+        detail = "env terminated" if terminated else "env truncated"
+        episode.finish(status, detail, info.get("outcome"))
+        return None
     ids = renderer.observation(traj.messages, observation, episode.tools)
     traj.messages.extend(copy.deepcopy(observation))
     traj.append(ids, sampled=False)
+    return ids

@@ -12,6 +12,7 @@ from __future__ import annotations
 import redis
 
 from rollout.codec import CodecError, decode_group, encode_group
+from rollout.keys import dead_letter_stream
 from rollout.types import TrajectoryGroup
 
 FIELD = b"group"
@@ -70,8 +71,11 @@ class RedisGroupReader:
         return out
 
     def _dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
-        """A poison entry goes to `<stream>:dead` with the reason and never blocks the group."""
-        self.client.xadd(f"{self.stream}:dead", {**fields, b"reason": reason, b"id": entry_id})
+        """A poison entry goes to `<stream>:dead` (rollout/keys.py) with the reason and never
+        blocks the group."""
+        self.client.xadd(
+            dead_letter_stream(self.stream), {**fields, b"reason": reason, b"id": entry_id}
+        )
         self.client.xack(self.stream, self.group, entry_id)
         self.dead_letters += 1
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import redis
 
 from rollout.codec import encode_group
+from rollout.keys import WORKER_GROUP as GROUP
+from rollout.keys import RunKeys
 from rollout.types import TrajectoryGroup
-
-GROUP = "workers"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,22 +34,13 @@ class Task:
     attempt: int
 
 
-def task_names(prefix: str) -> dict[str, str]:
-    return {
-        "tasks": f"{prefix}:tasks",
-        "attempts": f"{prefix}:attempts",
-        "produced": f"{prefix}:produced",
-        "episodes": f"{prefix}:episodes:",
-    }
-
-
 class TaskQueue:
-    """Both sides of the task stream; `prefix` is the run's key prefix (`agentrl:<run id>`)."""
+    """Both sides of the task stream of the run whose keys are `keys` (rollout/keys.py)."""
 
-    def __init__(self, client: redis.Redis, prefix: str, trajectories: str) -> None:
-        self.client, self.names, self.trajectories = client, task_names(prefix), trajectories
+    def __init__(self, client: redis.Redis, keys: RunKeys) -> None:
+        self.client, self.keys = client, keys
         try:
-            self.client.xgroup_create(self.names["tasks"], GROUP, id="0", mkstream=True)
+            self.client.xgroup_create(self.keys.tasks, GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -59,7 +50,7 @@ class TaskQueue:
         """Publish (group id, seed) tasks."""
         pipe = self.client.pipeline(transaction=True)
         for group_id, seed in tasks:
-            pipe.xadd(self.names["tasks"], {"group_id": group_id, "seed": seed})
+            pipe.xadd(self.keys.tasks, {"group_id": group_id, "seed": seed})
         pipe.execute()
 
     def requeue_all_pending(self) -> int:
@@ -67,30 +58,28 @@ class TaskQueue:
         again (same group id; its saved episodes are kept) and ack the old entry, atomically."""
         moved = 0
         for p in self.client.xpending_range(
-            self.names["tasks"], GROUP, min="-", max="+", count=1 << 30
+            self.keys.tasks, GROUP, min="-", max="+", count=1 << 30
         ):
-            entry = self.client.xrange(
-                self.names["tasks"], min=p["message_id"], max=p["message_id"]
-            )
+            entry = self.client.xrange(self.keys.tasks, min=p["message_id"], max=p["message_id"])
             if not entry:
                 continue
             fields = entry[0][1]
             pipe = self.client.pipeline(transaction=True)
-            pipe.xadd(self.names["tasks"], fields)
-            pipe.xack(self.names["tasks"], GROUP, p["message_id"])
+            pipe.xadd(self.keys.tasks, fields)
+            pipe.xack(self.keys.tasks, GROUP, p["message_id"])
             pipe.execute()
             moved += 1
         return moved
 
     def backlog(self) -> int:
         """Tasks issued but not finished (pending or not yet read)."""
-        pending = int(self.client.xpending(self.names["tasks"], GROUP)["pending"])
+        pending = int(self.client.xpending(self.keys.tasks, GROUP)["pending"])
         return pending + (self.unread() or 0)
 
     def unread(self) -> int | None:
         """Tasks issued but not yet read by any worker (the group's lag); None when Redis cannot
         say (after deletions past the group's last delivered entry)."""
-        info = self.client.xinfo_groups(self.names["tasks"])
+        info = self.client.xinfo_groups(self.keys.tasks)
         lag = next((g.get("lag") for g in info if _text(g["name"]) == GROUP), None)
         return None if lag is None else int(lag)
 
@@ -115,14 +104,14 @@ class TaskQueue:
         ]
         if len(entries) < count:
             _, stolen, *_ = self.client.xautoclaim(
-                self.names["tasks"], GROUP, consumer, idle_ms, count=count - len(entries)
+                self.keys.tasks, GROUP, consumer, idle_ms, count=count - len(entries)
             )
             entries += [e for e in stolen if e[1] and _text(e[0]) not in held]
         want = count - len(entries)
         if want > 0:
             want = min(want, self._share(workers, want))
         if want > 0:
-            reply = self.client.xreadgroup(GROUP, consumer, {self.names["tasks"]: ">"}, count=want)
+            reply = self.client.xreadgroup(GROUP, consumer, {self.keys.tasks: ">"}, count=want)
             for _, new in reply or []:
                 entries += new
         return [self._task(entry_id, fields) for entry_id, fields in entries[:count]]
@@ -134,47 +123,47 @@ class TaskQueue:
 
     def _own_pending(self, consumer: str, count: int) -> list:
         mine = self.client.xpending_range(
-            self.names["tasks"], GROUP, min="-", max="+", count=count, consumername=consumer
+            self.keys.tasks, GROUP, min="-", max="+", count=count, consumername=consumer
         )
         if not mine:
             return []
         ids = [p["message_id"] for p in mine]
-        return [e for e in self.client.xclaim(self.names["tasks"], GROUP, consumer, 0, ids) if e[1]]
+        return [e for e in self.client.xclaim(self.keys.tasks, GROUP, consumer, 0, ids) if e[1]]
 
     def _task(self, entry_id, fields) -> Task:
         fields = {_text(k): _text(v) for k, v in fields.items()}
-        attempt = int(self.client.hincrby(self.names["attempts"], fields["group_id"], 1))
+        attempt = int(self.client.hincrby(self.keys.attempts, fields["group_id"], 1))
         return Task(_text(entry_id), fields["group_id"], int(fields["seed"]), attempt)
 
     def heartbeat(self, consumer: str, tasks: list[Task]) -> None:
         """Keep our tasks from looking idle (so no other worker takes them over)."""
         if tasks:
             self.client.xclaim(
-                self.names["tasks"], GROUP, consumer, 0, [t.entry_id for t in tasks], justid=True
+                self.keys.tasks, GROUP, consumer, 0, [t.entry_id for t in tasks], justid=True
             )
 
     def complete(self, task: Task, group: TrajectoryGroup) -> str:
         """Atomically: the group into the trajectory stream, the task acked, counted, its saved
         episodes deleted. Returns the trajectory stream entry id."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.trajectories, {b"group": encode_group(group)})
-        pipe.xack(self.names["tasks"], GROUP, task.entry_id)
-        pipe.hincrby(self.names["produced"], group.group_id, 1)
-        pipe.delete(self.names["episodes"] + group.group_id)
+        pipe.xadd(self.keys.trajectories, {b"group": encode_group(group)})
+        pipe.xack(self.keys.tasks, GROUP, task.entry_id)
+        pipe.hincrby(self.keys.produced, group.group_id, 1)
+        pipe.delete(self.keys.episodes(group.group_id))
         entry = pipe.execute()[0]
         return _text(entry)
 
     # -- saved episodes ------------------------------------------------------------------------
     def save_episodes(self, group_id: str, episodes: dict[int, bytes]) -> None:
         if episodes:
-            self.client.hset(self.names["episodes"] + group_id, mapping=episodes)
+            self.client.hset(self.keys.episodes(group_id), mapping=episodes)
 
     def saved_episodes(self, group_id: str) -> dict[int, bytes]:
-        raw = self.client.hgetall(self.names["episodes"] + group_id)
+        raw = self.client.hgetall(self.keys.episodes(group_id))
         return {int(k): v for k, v in raw.items()}
 
     def produced(self) -> dict[str, int]:
-        raw = self.client.hgetall(self.names["produced"])
+        raw = self.client.hgetall(self.keys.produced)
         return {_text(k): int(v) for k, v in raw.items()}
 
 

@@ -1,6 +1,6 @@
 """`RolloutWorker`: runs groups of episodes, scores them and ships them to the stream.
 
-A plain class (no Ray here): `rl/actors.py` wraps it into a Ray actor. Its parts come in as
+A plain class (no Ray here): `rl/run/actors.py` wraps it into a Ray actor. Its parts come in as
 objects: an env factory, the policy, the renderer, the reward function, and a sink.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from policy.engines import open_session
 from policy.sampling import SamplingParams
-from policy.session import open_session
 from rollout.agent import AgentLoop, run_all, start_episode
 from rollout.episode import EpisodeLimits, Policy, run_episodes
 from rollout.render import ChatRenderer
@@ -167,7 +167,7 @@ class RolloutWorker:
 
 
 def summarize(trajs: list[Trajectory], *, seconds: float) -> dict[str, float]:
-    """Counters a driver can add up across workers (flat keys; see `rl.metrics`).
+    """Counters a driver can add up across workers (flat keys; see `rl.observe.metrics`).
 
     Besides the totals: `reward_part/<term>` sums over scored trajectories, `env/<id>/episodes`
     and `env/<id>/successes` per env (from the task id), and `tool/<name>/calls` and

@@ -54,7 +54,7 @@ def model_dir(tmp_path_factory, tokenizer, tiny_model):
 
 @pytest.fixture()
 def redis_server(tmp_path):
-    from rl.launch import start_redis
+    from rl.run.launch import start_redis
 
     server = start_redis(tmp_path / "redis")
     yield server

@@ -2,8 +2,9 @@
 
 Attention half: `kda` (Kimi Delta Attention), `mla` (gated NoPE MLA), `attn_res` (Attention
 Residuals). The MoE half lives in sibling modules of this package. `modeling` assembles them
-into a transformers model (registered as model_type "agentrl_k3" on import of this package),
-`engine` is its fast cached generation engine for rollouts (K3Policy).
+into a transformers model (registered as model_type "agentrl_k3" on import of this package);
+`cache` is its decode-time state (K3Cache). The subpackage `engine` is the model's fast cached
+generation engine for rollouts (K3Policy, K3Session); it imports the model, never the reverse.
 """
 
 from policy.k3.attn_res import AttnRes, AttnResState, attn_res, attn_res_layer, num_stored_sources

@@ -1,6 +1,6 @@
 """Attention Residuals (AttnRes), exactly as Kimi K3 implements them (block variant).
 
-Reference: /work/shared/reference/k3-architecture.md sec. 4.3 (arXiv 2603.15031; Moonshot
+Reference: ../shared/reference/k3-architecture.md sec. 4.3 (arXiv 2603.15031; Moonshot
 `_apply_attn_res`, `KimiDecoderLayer._forward_attn_residual`). Instead of the plain residual
 h_l = h_{l-1} + f(h_{l-1}), each sub-layer input is a softmax-weighted mix, over depth, of
 stored sources:

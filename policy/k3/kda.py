@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA): the linear-attention token mixer of Kimi Linear / Kimi K3.
 
-Reference: docs in /work/shared/reference/k3-architecture.md sec. 2 (Kimi Linear, arXiv 2510.26692;
+Reference: docs in ../shared/reference/k3-architecture.md sec. 2 (Kimi Linear, arXiv 2510.26692;
 fla `fla/ops/kda/naive.py`, transformers `models/kimi_linear`). Per value head the state S [K, V]
 follows the gated delta rule with a per-channel decay alpha_t = exp(g_t):
 

@@ -1,6 +1,6 @@
 """Gated Multi-head Latent Attention with NoPE (Kimi Linear / Kimi K3 full-attention layers).
 
-Reference: /work/shared/reference/k3-architecture.md sec. 3 (DeepSeek-V2/V3 MLA; transformers
+Reference: ../shared/reference/k3-architecture.md sec. 3 (DeepSeek-V2/V3 MLA; transformers
 `KimiLinearAttention`; K3 output gate). No rotary embedding anywhere: the "rope" slice of q and
 the shared k_rope still exist and take part in the dot product, they are just never rotated.
 

@@ -11,8 +11,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from rl.launch import start_redis
+from rl.run.launch import start_redis
 from rollout.codec import decode_group
+from rollout.keys import LEARNER_GROUP, WORKER_GROUP, RunKeys
 
 
 def account(run_dir: Path) -> dict:
@@ -24,20 +25,20 @@ def account(run_dir: Path) -> dict:
     server = start_redis(run_dir / "redis")
     try:
         c = server.client()
-        prefix = next(k.decode() for k in c.keys("agentrl:*:produced")).rsplit(":", 1)[0]
-        produced = {k.decode(): int(v) for k, v in c.hgetall(f"{prefix}:produced").items()}
-        stream = f"{prefix}:trajectories"
-        (learner,) = [g for g in c.xinfo_groups(stream) if g["name"] == b"learner"]
+        keys = RunKeys(run_dir.name)  # the run id is the run directory's name
+        produced = {k.decode(): int(v) for k, v in c.hgetall(keys.produced).items()}
+        stream = keys.trajectories
+        (learner,) = [g for g in c.xinfo_groups(stream) if g["name"].decode() == LEARNER_GROUP]
         last = learner["last-delivered-id"].decode()
-        pending = c.xpending_range(stream, "learner", min="-", max="+", count=10**6)
+        pending = c.xpending_range(stream, LEARNER_GROUP, min="-", max="+", count=10**6)
         buffered_ids = {p["message_id"] for p in pending}
         buffered_ids |= {e for e, _ in c.xrange(stream, min=f"({last}", max="+")}
         buffered = [
             decode_group(f[b"group"]).group_id for _, f in c.xrange(stream) if _ in buffered_ids
         ]
-        issued = int(c.get(f"{prefix}:issued"))
-        tasks = f"{prefix}:tasks"
-        held = {p["message_id"] for p in c.xpending_range(tasks, "workers", "-", "+", 10**6)}
+        issued = int(c.get(keys.issued))
+        tasks = keys.tasks
+        held = {p["message_id"] for p in c.xpending_range(tasks, WORKER_GROUP, "-", "+", 10**6)}
         unread = _id(c.xinfo_groups(tasks)[0]["last-delivered-id"])
         in_flight = {
             f[b"group_id"].decode() for e, f in c.xrange(tasks) if e in held or _id(e) > unread

@@ -3,7 +3,7 @@
 
 A training task's kind comes from its seed (rollout workers reset an env with the task's seed
 before they continue a saved episode, so a replay hangs the same way); the expert's
-demonstrations (seeds from 2e9, rl/sft.py) and evaluation tasks (from 1e9) never hang:
+demonstrations (seeds from 2e9, rl/sft/warm_start.py) and evaluation tasks (from 1e9) never hang:
 
     crc32 % 4 == 0  "tool": every turn calls `lookup`, which never returns; the env's own tool
                     timeout (env kwarg tool_timeout_s) answers with an error observation and
@@ -25,7 +25,7 @@ from typing import Any
 from envs.calculator import CalculatorEnv
 from envs.tools import tool
 from envs.types import Message, tool_call
-from rl.evaluate import EVAL_SEED_OFFSET
+from rl.observe.evaluate import EVAL_SEED_OFFSET
 
 
 class HangingCalculator(CalculatorEnv):

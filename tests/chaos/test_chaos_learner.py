@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rl.checkpoint import latest
+from rl.learner.checkpoint import latest
 from tests.chaos.books import account, check_books
 from tests.chaos.runs import CONFIG, metrics, overrides, resume, run_dir_of, train
 

@@ -1,4 +1,4 @@
-"""The messages a stopped run prints (rl/failures.py) and the Redis watchdog's limit, without a
+"""The messages a stopped run prints (rl/run/failures.py) and the Redis watchdog's limit, without a
 run: the chaos runs check the same messages end to end."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import ray
 import redis
 
-from rl.failures import RunAborted, check_env_errors, check_skipped, explain
-from rl.launch import RedisLost, RedisWatchdog, start_redis
+from rl.run.failures import RunAborted, check_env_errors, check_skipped, explain
+from rl.run.launch import RedisLost, RedisWatchdog, start_redis
 
 
 def run_dir_with_checkpoint(tmp_path):

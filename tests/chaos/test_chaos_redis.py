@@ -1,5 +1,5 @@
 """Chaos: the run's Redis is SIGKILLed during writes (reliability.md D1, D5). The embedded
-server is started again from its AOF by the driver's watchdog (rl/launch.py) on the same port
+server is started again from its AOF by the driver's watchdog (rl/run/launch.py) on the same port
 and password; clients retry for about 30 s, so the run goes on."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rl.launch import RedisWatchdog, connect, start_redis
+from rl.run.launch import RedisWatchdog, connect, start_redis
 from tests.chaos.books import account, check_books
 from tests.chaos.runs import (
     CONFIG,

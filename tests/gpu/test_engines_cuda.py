@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
+from policy.engines import open_session
 from policy.hf import HFPolicy, checksum, export_weights
 from policy.k3 import K3Cache
-from policy.k3.decode import forward_tokens
 from policy.k3.engine import K3Policy
-from policy.k3.plan import build_plan
+from policy.k3.engine.decode import forward_tokens
+from policy.k3.engine.plan import build_plan
 from policy.logprobs import decoder_hidden, head_logprobs
 from policy.sampling import SamplingParams
-from policy.session import open_session
 from tests.policy.k3.test_engine import make_model, prompts
 from tests.policy.test_session import k3_model, qwen_model, run_script
 

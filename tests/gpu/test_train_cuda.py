@@ -13,8 +13,8 @@ import torch
 
 from policy.hf import build_model
 from policy.logprobs import token_logprobs
-from rl.config import TrainerConfig
-from rl.learner import Learner
+from rl.config.runfile import TrainerConfig
+from rl.learner.learner import Learner
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 from tests.conftest import TINY_MODEL
 from tests.policy.k3.test_engine import make_model

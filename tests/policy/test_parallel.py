@@ -42,7 +42,7 @@ from policy.parallel import (
     moe_blocks,
     parallelize,
 )
-from rl.launch import free_port
+from rl.run.launch import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

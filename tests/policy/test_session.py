@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from policy.engines import open_session
 from policy.hf import HFPolicy, build_model, checksum, export_weights
 from policy.k3 import K3Cache, K3ForCausalLM, k3_preset
 from policy.k3.engine import K3Policy
 from policy.sampling import SamplingParams
-from policy.session import open_session
 
 QWEN = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

@@ -11,8 +11,8 @@ import pytest
 
 from policy.sampling import SamplingParams
 from reward import build_reward
-from rl.config import ConfigError, load_config
-from rl.metrics import rollout_metrics
+from rl.config.runfile import ConfigError, load_config
+from rl.observe.metrics import rollout_metrics
 from rollout.episode import EpisodeLimits
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Trajectory

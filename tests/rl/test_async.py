@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from rollout.codec import decode_episode
+from rollout.keys import RunKeys
 from tests.chaos.books import account, check_books
 from tests.chaos.runs import CONFIG, metrics, overrides, start
 from tests.rl.test_e2e import ROOT, alive, descendants
@@ -38,7 +39,7 @@ def live_client(run_dir: Path) -> redis.Redis | None:
 
 def unfinished_saved(client: redis.Redis) -> int:
     count = 0
-    for key in client.keys("agentrl:*:episodes:*"):
+    for key in client.keys(RunKeys("*").episodes("*")):  # every run's saved episodes
         for data in client.hgetall(key).values():
             count += not decode_episode(data)[1].get("final")
     return count

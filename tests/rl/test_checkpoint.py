@@ -7,10 +7,10 @@ import copy
 import pytest
 
 from policy.hf import build_model, checksum, export_weights
-from rl import checkpoint as ckpt
-from rl.config import TrainerConfig
-from rl.learner import Learner
-from rl.learner_state import DCP_DIR
+from rl.config.runfile import TrainerConfig
+from rl.learner import checkpoint as ckpt
+from rl.learner.learner import Learner
+from rl.learner.state import DCP_DIR
 from tests.conftest import TINY_MODEL
 from tests.rl.test_learner import ListSource, make_group
 

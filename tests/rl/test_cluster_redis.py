@@ -17,9 +17,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from rl import launch
-from rl.config import ConfigError, load_config
-from rl.launch import LaunchError, RedisTLS, check_external_redis, services, start_redis
+from rl.config.runfile import ConfigError, load_config
+from rl.run import launch
+from rl.run.launch import LaunchError, RedisTLS, check_external_redis, services, start_redis
 
 SHARED = "output_dir=/mnt/shared/runs"  # a cluster run needs an absolute run directory
 
@@ -238,7 +238,7 @@ def test_a_server_that_hides_its_config_is_used_with_a_warning(redis_server, cap
         "agentrl", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-config"]
     )
     url = f"redis://agentrl:pw@127.0.0.1:{redis_server.port}/0"
-    with caplog.at_level(logging.WARNING, logger="rl.launch"):
+    with caplog.at_level(logging.WARNING, logger="rl.run.launch"):
         assert check_external_redis(url).ping()
     assert "could not ask the Redis at 127.0.0.1 whether it keeps an AOF" in caplog.text
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from rl.cli import parser
-from rl.config import ConfigError, RunConfig, TrainerConfig, load_config
+from rl.config.runfile import ConfigError, RunConfig, TrainerConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rl.config import RunConfig
-from rl.config_docs import run_file_reference
+from rl.config.docs import run_file_reference
+from rl.config.runfile import RunConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "run-files.md"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rl import cli
-from rl.console import LEVEL_ENV, configure, level_from_flags
+from rl.observe.console import LEVEL_ENV, configure, level_from_flags
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
 
@@ -35,13 +35,13 @@ def restore_logging(monkeypatch):
 )
 def test_levels_and_the_console_format(capsys, monkeypatch, level, shown):
     configure(level)
-    log = logging.getLogger("rl.weights")
+    log = logging.getLogger("rl.run.weights")
     log.debug("pushed version 3")
     log.info("step 1 done")
     log.warning("worker-1 restarted")
     out = capsys.readouterr().out.splitlines()
     expected = {
-        "debug": "[agentrl] debug rl.weights: pushed version 3",
+        "debug": "[agentrl] debug rl.run.weights: pushed version 3",
         "info": "[agentrl] step 1 done",
         "warning": "[agentrl] warning: worker-1 restarted",
     }

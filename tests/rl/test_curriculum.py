@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rl.config import ConfigError, load_config
-from rl.curriculum import stage_ends, stage_index, staged
+from rl.config.runfile import ConfigError, load_config
+from rl.run.curriculum import stage_ends, stage_index, staged
 from tests.rl.test_e2e import ROOT, tiny_overrides
 from tests.rl.test_resume import cli, weights_hash
 

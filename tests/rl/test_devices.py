@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.batch import pack
-from rl.build import cache_budget
 from rl.cli import main
-from rl.config import ConfigError, load_config
-from rl.devices import local_gpus, resolve_devices, sft_device, torch_device, with_devices
-from rl.distributed import backend_for
-from rl.placement import ask
-from rl.sft import _sft_args
+from rl.config.resources import ask
+from rl.config.runfile import ConfigError, load_config
+from rl.learner.batch import pack
+from rl.learner.distributed import backend_for
+from rl.run.build import cache_budget
+from rl.run.devices import local_gpus, resolve_devices, sft_device, torch_device, with_devices
+from rl.sft.warm_start import _sft_args
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -94,7 +94,8 @@ def run_cli(args: list[str], timeout: float = 600) -> tuple[subprocess.Completed
 
 
 def test_train_runs_end_to_end(tmp_path):
-    proc, started = run_cli([str(ROOT / "configs/quickstart.yaml"), *tiny_overrides(tmp_path)])
+    args = [str(ROOT / "configs/quickstart.yaml"), *tiny_overrides(tmp_path), "eval.every=1"]
+    proc, started = run_cli(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = list(tmp_path.glob("e2e-*"))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -117,7 +118,10 @@ def test_train_runs_end_to_end(tmp_path):
     ):
         assert all(key in r for r in train), key
     assert train[-1]["learner/version"] == 2
-    assert len([r for r in records if r["phase"] == "eval"]) == 4  # SFT and GRPO x sampled, greedy
+    evals = [r for r in records if r["phase"] == "eval"]  # sampled and greedy: after SFT (step
+    assert [r["step"] for r in evals] == [0, 0, 1, 1, 2, 2]  # 0), eval.every=1 (step 1), after RL
+    assert all(any(k.startswith("eval/grpo/") for k in r) for r in evals[2:])
+    assert "evaluation at step 1" in proc.stdout + proc.stderr
     (sft,) = [r for r in records if r["phase"] == "sft"]  # did SFT take? (it cannot, this tiny)
     assert 0 <= sft["sft/token_accuracy"] <= 1 and "sft/tool_call_ok" in sft
     assert "SFT did not fit the demonstrations" in proc.stdout + proc.stderr

@@ -1,7 +1,7 @@
 """A tiny policy trains a few steps through `agentrl train` on each built-in env's run file.
 
 The tiny policy (tokenizer and model) is built here from a few dozen expert demonstrations,
-exactly as `rl.build.prepare_policy` does from 400, to keep the sandboxed envs' demonstrations
+exactly as `rl.run.build.prepare_policy` does from 400, to keep the sandboxed envs' demonstrations
 cheap; the run still warm-starts with SFT on the env's expert, collects rollouts on Ray, scores
 them with the run file's reward terms and takes GRPO steps.
 """
@@ -15,7 +15,7 @@ import gymnasium
 import pytest
 
 import envs
-from rl.config import load_config
+from rl.config.runfile import load_config
 from tests.conftest import TINY_MODEL
 from tests.rl.test_e2e import alive, run_cli, tiny_overrides
 
@@ -31,7 +31,7 @@ RUNS = {
 def build_policy(config: Path, out: Path) -> Path:
     from policy.hf import build_model
     from policy.tokenizer import build_tokenizer, render_conversations
-    from rl.build import ERROR_SAMPLES
+    from rl.run.build import ERROR_SAMPLES
 
     cfg = load_config(config)
     env = gymnasium.make(cfg.env.id, **cfg.env.kwargs)

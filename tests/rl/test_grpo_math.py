@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from rl.advantages import (
+from rl.learner.advantages import (
     centred_advantages,
     gae,
     gae_reference,

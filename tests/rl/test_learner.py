@@ -11,10 +11,10 @@ import torch
 
 from policy.hf import checksum, export_weights
 from policy.logprobs import token_logprobs
-from rl.batch import pack
-from rl.config import TrainerConfig
-from rl.learner import Learner, StreamTimeout
-from rl.trajlog import records
+from rl.config.runfile import TrainerConfig
+from rl.learner.batch import pack
+from rl.learner.learner import Learner, StreamTimeout
+from rl.observe.trajlog import records
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
 

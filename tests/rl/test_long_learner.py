@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from rl.config import ConfigError, TrainerConfig
-from rl.learner import Learner
+from rl.config.runfile import ConfigError, TrainerConfig
+from rl.learner.learner import Learner
 from tests.policy.k3.test_engine import make_model
 from tests.rl.test_learner import ListSource
 from tests.rl.test_routing_replay import rollouts

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl.losses import (
+from rl.learner.losses import (
     LossSpec,
     LossStats,
     Normalizers,

@@ -2,7 +2,13 @@ from __future__ import annotations
 
 import json
 
-from rl.metrics import CollapseDetector, MetricsLogger, eval_record, eval_values, rollout_metrics
+from rl.observe.metrics import (
+    CollapseDetector,
+    MetricsLogger,
+    eval_record,
+    eval_values,
+    rollout_metrics,
+)
 
 
 def test_collapse_is_reported_once():

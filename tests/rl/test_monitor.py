@@ -14,10 +14,12 @@ import pytest
 from rich.console import Console
 
 from rl.cli import main
-from rl.launch import start_redis
-from rl.metrics import MetricsLogger, eval_record
-from rl.monitor import PANELS, JsonlSource, MonitorState, RedisSource
-from rl.monitor_view import render, render_all
+from rl.observe.metrics import MetricsLogger, eval_record
+from rl.observe.monitor import JsonlSource, RedisSource
+from rl.observe.monitor_state import PANELS, MonitorState
+from rl.observe.monitor_view import render, render_all
+from rl.run.launch import start_redis
+from rollout.keys import RunKeys
 
 DATA = Path(__file__).parent / "data"
 RECORDED = DATA / "monitor_quickstart.jsonl"
@@ -116,7 +118,8 @@ def test_the_redis_source_follows_the_runs_stream(tmp_path):
     server = start_redis(tmp_path / "redis")
     try:
         client = server.client()
-        log = MetricsLogger(tmp_path, client=client, stream="agentrl:r1:metrics", tensorboard=False)
+        stream = RunKeys("r1").metrics  # what the run writes to (rl/run/train.py)
+        log = MetricsLogger(tmp_path, client=client, stream=stream, tensorboard=False)
         source = RedisSource(client, "r1")
         log.log(1, {"reward/mean": 0.25})
         log.log(2, {"reward/mean": 0.5})

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from rl.build import stream_names
 from rollout.codec import decode_episode
+from rollout.keys import WORKER_GROUP, RunKeys
 from tests.rl.test_async import account, check_books, live_client, metrics, overrides
 from tests.rl.test_e2e import ROOT
 
@@ -88,12 +88,12 @@ def wait_for(what: str, probe, proc: subprocess.Popen, log: Path, timeout: float
     raise AssertionError(f"no {what} (exit {proc.poll()}):\n{tail}")
 
 
-def holds_a_saved_episode(client: redis.Redis, prefix: str, consumer: str) -> bool:
+def holds_a_saved_episode(client: redis.Redis, keys: RunKeys, consumer: str) -> bool:
     """`consumer` holds a task of which an unfinished episode is saved in Redis."""
-    tasks = f"{prefix}:tasks"
-    for entry in client.xpending_range(tasks, "workers", "-", "+", 1000, consumername=consumer):
+    tasks = keys.tasks
+    for entry in client.xpending_range(tasks, WORKER_GROUP, "-", "+", 1000, consumername=consumer):
         ((_, fields),) = client.xrange(tasks, min=entry["message_id"], max=entry["message_id"])
-        saved = client.hgetall(f"{prefix}:episodes:{fields[b'group_id'].decode()}").values()
+        saved = client.hgetall(keys.episodes(fields[b"group_id"].decode())).values()
         if any(not decode_episode(data)[1].get("final") for data in saved):
             return True
     return False
@@ -102,12 +102,12 @@ def holds_a_saved_episode(client: redis.Redis, prefix: str, consumer: str) -> bo
 def freeze_holding_a_saved_episode(run_dir: Path, pid: int, consumer: str, proc, log) -> None:
     """SIGSTOP the worker process at a moment it holds a task with a saved unfinished episode
     (frozen, it cannot finish that task before its node goes)."""
-    client, prefix = live_client(run_dir), stream_names(run_dir.name)["prefix"]
+    client, keys = live_client(run_dir), RunKeys(run_dir.name)
 
     def frozen_holding() -> bool:
         os.kill(pid, signal.SIGSTOP)
         with contextlib.suppress(redis.RedisError):
-            if holds_a_saved_episode(client, prefix, consumer):
+            if holds_a_saved_episode(client, keys, consumer):
                 return True
         os.kill(pid, signal.SIGCONT)
         return False

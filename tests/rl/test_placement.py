@@ -1,4 +1,4 @@
-"""Placement by resources (rl/placement.py): what learner ranks and rollout workers ask Ray for,
+"""Placement by resources (rl/run/placement.py): what learner ranks and rollout workers ask Ray for,
 and a request the cluster cannot meet failing in seconds, before any work, in one line."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from rl.config import ConfigError, RunConfig, load_config
-from rl.placement import PlacementError, demands, ray_options, unmet
+from rl.config.resources import ray_options
+from rl.config.runfile import ConfigError, RunConfig, load_config
+from rl.run.placement import PlacementError, demands, unmet
 from tests.rl.test_e2e import ROOT, tiny_overrides
 
 CONFIG = ROOT / "configs/quickstart.yaml"
@@ -123,7 +124,7 @@ def _failed_fast(run_dir, started: float) -> float:
 
 @pytest.mark.distributed
 def test_a_missing_custom_resource_fails_in_seconds_on_a_real_ray(tmp_path):
-    from rl.loop import make_run_dir, train
+    from rl.run.train import make_run_dir, train
 
     cfg = cfg_with(
         *tiny_overrides(tmp_path),

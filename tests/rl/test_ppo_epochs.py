@@ -11,11 +11,11 @@ import torch
 
 from policy.hf import checksum, export_weights
 from policy.logprobs import token_logprobs
-from rl.batch import pack
-from rl.config import ConfigError, TrainerConfig, load_config
-from rl.learner import Learner
-from rl.learner_stats import length_metrics, mini_batches, staleness_metrics
-from rl.losses import LossSpec, Normalizers, policy_loss
+from rl.config.runfile import ConfigError, TrainerConfig, load_config
+from rl.learner.batch import pack
+from rl.learner.learner import Learner
+from rl.learner.losses import LossSpec, Normalizers, policy_loss
+from rl.learner.stats import length_metrics, mini_batches, staleness_metrics
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 from tests.rl.test_learner import ListSource, make_group
 
@@ -346,7 +346,7 @@ def test_off_policy_defaults_keep_the_old_meaning_of_tis_cap():
 
 def _rank_run(rank, world, port, out):
     from policy.hf import build_model
-    from rl.distributed import Shard, init_group
+    from rl.learner.distributed import Shard, init_group
     from tests.conftest import TINY_MODEL
 
     torch.set_num_threads(1)
@@ -383,7 +383,7 @@ def _rank_run(rank, world, port, out):
 def _ranks(world):
     import torch.multiprocessing as mp
 
-    from rl.launch import free_port
+    from rl.run.launch import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

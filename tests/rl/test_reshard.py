@@ -1,4 +1,4 @@
-"""Learner checkpoints load at another world size and expert-parallel size (rl/learner_state.py).
+"""Learner checkpoints load at another world size and expert-parallel size (rl/learner/state.py).
 
 One spawned 2-rank run (K3 "k3-debug", 8 experts, float64) and the test process (1 rank):
 - 2 -> 1: 2 ranks with 2-way expert parallelism train 2 steps and checkpoint; one process loads
@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from rl import checkpoint as ckpt
-from rl.config import TrainerConfig
-from rl.distributed import Shard
-from rl.learner import Learner
-from rl.learner_state import _modules
+from rl.config.runfile import TrainerConfig
+from rl.learner import checkpoint as ckpt
+from rl.learner.distributed import Shard
+from rl.learner.learner import Learner
+from rl.learner.state import _modules
 from tests.policy.k3.test_engine import make_model
 from tests.policy.test_parallel import run_ranks
 from tests.rl.test_learner import ListSource, make_group

@@ -9,9 +9,9 @@ import torch
 
 from policy.k3.engine import K3Policy
 from policy.sampling import SamplingParams
-from rl.batch import pack
-from rl.config import TrainerConfig
-from rl.learner import Learner
+from rl.config.runfile import TrainerConfig
+from rl.learner.batch import pack
+from rl.learner.learner import Learner
 from rollout.codec import decode_group, encode_group
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 from tests.policy.k3.test_engine import make_model

@@ -1,4 +1,4 @@
-"""SFT diagnostics (rl/sft_check.py): token accuracy counts only assistant tokens, and each sign
+"""SFT diagnostics (rl/sft/check.py): token accuracy counts only assistant tokens, and each sign
 that SFT did not take becomes a warning that says what to change."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-from rl.config import load_config
-from rl.evaluate import EvalResult
-from rl.sft_check import diagnose, token_accuracy
+from rl.config.runfile import load_config
+from rl.observe.evaluate import EvalResult
+from rl.sft.check import diagnose, token_accuracy
 
 
 class Oracle(torch.nn.Module):

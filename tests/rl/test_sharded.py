@@ -10,7 +10,7 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
-from rl.config import load_config
+from rl.config.runfile import load_config
 from tests.rl.test_e2e import ROOT, run_cli, tiny_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -69,7 +69,7 @@ def test_two_learner_ranks_train_like_one(tmp_path, policy):
 
 
 def test_unplaceable_learner_ranks_fail_fast_naming_resources(tmp_path):
-    from rl.actors import start_learner
+    from rl.run.actors import start_learner
 
     cfg = load_config(
         ROOT / "configs/quickstart.yaml",

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from policy.logprobs import TokenLogprobs
 from policy.parallel import build_meshes, parallelize
-from rl import checkpoint as ckpt
-from rl.distributed import init_single
+from rl.learner import checkpoint as ckpt
+from rl.learner.distributed import init_single
 from tests.policy.k3.test_engine import make_model
 from tests.policy.test_parallel import run_ranks
 from tests.rl.test_reshard import assert_same_state, full_state, groups, learner

@@ -1,5 +1,5 @@
-"""`agentrl show` on a run directory written by the trajectory writer (rl/trajlog.py) from real
-episodes: the Calculator env, the rollout renderer and parser, the reward package."""
+"""`agentrl show` on a run directory written by the trajectory writer (rl/observe/trajlog.py) from
+real episodes: the Calculator env, the rollout renderer and parser, the reward package."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from rich.console import Console
 import envs  # noqa: F401  (registers the built-in envs)
 from policy.sampling import SamplingParams
 from reward import build_reward
-from rl import show as rl_show
-from rl import trajlog
 from rl.cli import main
+from rl.observe import show as rl_show
+from rl.observe import trajlog
 from rollout.episode import EpisodeLimits, run_episodes
 from rollout.render import ChatRenderer
 from rollout.types import TrajectoryGroup

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rl.stats import Z95, effective_samples, success_interval, wilson_interval
+from rl.observe.stats import Z95, effective_samples, success_interval, wilson_interval
 
 # The worked examples of Newcombe (1998), "Two-sided confidence intervals for the single
 # proportion: comparison of seven methods", Statistics in Medicine 17:857-872, method 3 (Wilson

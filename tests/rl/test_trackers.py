@@ -11,9 +11,9 @@ import types
 import pytest
 
 from rl.cli import main
-from rl.config import load_config
-from rl.metrics import MetricsLogger, eval_record
-from rl.trackers import open_trackers, tracker_metrics
+from rl.config.runfile import load_config
+from rl.observe.metrics import MetricsLogger, eval_record
+from rl.observe.trackers import open_trackers, tracker_metrics
 
 QUICKSTART = "configs/quickstart.yaml"
 

@@ -20,7 +20,7 @@ from policy.hf import (
     import_weights,
     verified,
 )
-from rl.weights import (
+from rl.run.weights import (
     PIECE_BYTES,
     Publisher,
     Receiver,
@@ -182,9 +182,9 @@ def test_checksums_are_per_tensor_digests_combined_and_taken_once(tiny_model, mo
     calls = []
     real = hf.tensor_digest
     monkeypatch.setattr(hf, "tensor_digest", lambda n, a: calls.append(n) or real(n, a))
-    import rl.weights
+    import rl.run.weights
 
-    monkeypatch.setattr(rl.weights, "tensor_digest", hf.tensor_digest)
+    monkeypatch.setattr(rl.run.weights, "tensor_digest", hf.tensor_digest)
     small = make_manifest(3, weights, 0.02, total)
     large = make_manifest(3, weights, 64, total)
     assert calls == []  # the export's digests made every bucket checksum

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rl.async_loop import token_share_min
+from rl.run.async_loop import token_share_min
 
 
 def test_an_idle_worker_shows_as_a_zero_share():

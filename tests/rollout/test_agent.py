@@ -195,9 +195,9 @@ class EchoEnv(gymnasium.Env):
 def test_k3_greedy_episodes_equal_the_re_prefill_path(tokenizer):
     import torch
 
+    from policy.engines import open_session
     from policy.k3 import K3ForCausalLM, k3_preset
     from policy.k3.engine import K3Policy
-    from policy.session import open_session
 
     torch.manual_seed(0)
     model = K3ForCausalLM(k3_preset("k3-tiny", vocab_size=len(tokenizer))).eval()

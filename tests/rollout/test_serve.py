@@ -11,6 +11,7 @@ from reward import build_reward
 from rollout.agent import AgentLoop
 from rollout.codec import decode_episode, decode_group
 from rollout.episode import EpisodeLimits
+from rollout.keys import RunKeys
 from rollout.render import ChatRenderer
 from rollout.serve import AsyncRollouts, ServeOptions
 from rollout.tasks import TaskQueue
@@ -19,7 +20,8 @@ from tests.fakes import ScriptedSession
 from tests.rollout.test_agent import fields, params_for
 from tests.rollout.test_render_and_episode import expert_script
 
-STREAM = "agentrl:test:trajectories"
+KEYS = RunKeys("test")
+STREAM = KEYS.trajectories
 
 
 def make(tokenizer, client, consumer, **options):
@@ -35,7 +37,7 @@ def make(tokenizer, client, consumer, **options):
         limits=EpisodeLimits(),
     )
     loop = AgentLoop(session, renderer, EpisodeLimits(), deterministic=False)
-    queue = TaskQueue(client, "agentrl:test", STREAM)
+    queue = TaskQueue(client, KEYS)
     opts = ServeOptions(consumer=consumer, group_size=2, max_episodes=8, **options)
     return AsyncRollouts(worker, queue, loop, opts), queue, renderer
 
@@ -68,7 +70,7 @@ def test_groups_are_produced_and_their_tasks_acked_together(tokenizer, redis_ser
     groups = groups_in(client)
     assert sorted(groups) == ["g0", "g1", "g2", "g3"]
     assert queue.backlog() == 0 and queue.produced() == {f"g{i}": 1 for i in range(4)}
-    assert not client.keys("agentrl:test:episodes:*")  # saved episodes go with the group
+    assert not client.keys(KEYS.episodes("*"))  # saved episodes go with the group
     for group in groups.values():
         assert [t.traj_id for t in group.trajectories] == [
             f"{group.group_id}/0",
@@ -140,7 +142,7 @@ def test_a_worker_takes_its_share_of_new_tasks_and_all_of_its_own(redis_server):
     """With room for every task, one of two workers takes ceil(unread / 2) new ones per claim
     (before: all of them, and the other worker idled); its own pending tasks (a restarted
     worker's) come back whole, whatever the share."""
-    queue = TaskQueue(redis_server.client(), "agentrl:test", STREAM)
+    queue = TaskQueue(redis_server.client(), KEYS)
     queue.issue([(f"g{i}", i) for i in range(8)])
     first = queue.claim("w0", 16, idle_ms=60_000, workers=2)
     second = queue.claim("w1", 16, idle_ms=60_000, workers=2)

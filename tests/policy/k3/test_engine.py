@@ -11,10 +11,10 @@ import torch
 
 from policy.hf import HFPolicy, checksum, export_weights
 from policy.k3 import K3Cache, K3ForCausalLM, k3_preset
-from policy.k3.decode import forward_tokens, kda_factored
-from policy.k3.engine import K3Policy, prefill_groups, replay_indices
+from policy.k3.engine.decode import forward_tokens, kda_factored
+from policy.k3.engine.plan import build_plan
+from policy.k3.engine.runner import K3Policy, prefill_groups, replay_indices
 from policy.k3.kda import kda_gate_lower_bound, kda_recurrent, l2_normalize
-from policy.k3.plan import build_plan
 from policy.logprobs import decoder_hidden, head_logprobs
 from policy.sampling import SamplingParams
 

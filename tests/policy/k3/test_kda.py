@@ -1,6 +1,6 @@
 """Kimi Delta Attention: chunked == recurrent (values and gradients), caches, padding, peers.
 
-Tolerances follow /work/shared/reference/k3-architecture.md sec. 11: float64 1e-10, float32 ~1e-5.
+Tolerances follow ../shared/reference/k3-architecture.md sec. 11: float64 1e-10, float32 ~1e-5.
 """
 
 from __future__ import annotations

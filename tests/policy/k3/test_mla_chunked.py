@@ -15,11 +15,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from policy.k3 import K3Cache
-from policy.k3 import decode as k3_decode
-from policy.k3.decode import forward_tokens
+from policy.k3.engine import decode as k3_decode
+from policy.k3.engine.decode import forward_tokens
+from policy.k3.engine.plan import build_plan
 from policy.k3.flash import flash_attention
 from policy.k3.mla import _masked_softmax
-from policy.k3.plan import build_plan
 from tests.policy.k3.test_engine import make_model
 from tests.policy.k3.test_mla import hidden, make_mla
 

@@ -212,7 +212,7 @@ def test_no_positional_parameters_or_buffers():
 def test_auto_classes_and_safetensors_round_trip(tmp_path):
     fields = k3_preset("k3-debug").to_diff_dict()  # what a run file's policy.config holds
     fields = {k: v for k, v in fields.items() if k not in ("model_type", "transformers_version")}
-    cfg = AutoConfig.for_model("agentrl_k3", **(fields | {"vocab_size": 300}))  # as rl/build.py
+    cfg = AutoConfig.for_model("agentrl_k3", **(fields | {"vocab_size": 300}))  # as rl/run/build.py
     assert cfg.vocab_size == 300 and cfg.layer_types == k3_preset("k3-debug").layer_types
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -279,7 +279,7 @@ def test_cache_select_extend_and_compact_keep_each_row_exact():
 
 
 def test_sft_trainer_smoke(tokenizer, tmp_path):
-    """TRL's SFTTrainer on pre-tokenized input_ids + assistant_masks (as rl/sft.py)."""
+    """TRL's SFTTrainer on pre-tokenized input_ids + assistant_masks (as rl/sft/warm_start.py)."""
     import warnings
 
     from datasets import Dataset

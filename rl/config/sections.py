@@ -1,0 +1,369 @@
+"""The sections of a run file (rl/config/runfile.py has the run file itself and the loader).
+
+Every section is a pydantic model that forbids unknown keys and takes values as written (no
+"2" for 2, no 1 for true). Field constraints (`gt`, `ge`, ...) cover single values and show up
+in the JSON Schema (`agentrl config schema`); model validators check what depends on several
+fields and raise `ConfigError(field, message)`. Constructing a section directly in Python raises
+ConfigError as well, never pydantic's ValidationError.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rl.config.errors import ConfigError, config_error
+from rl.config.resources import Resources, ask, fold_cpus
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise config_error(exc, type(self)) from None
+
+    # Only a direct call comes through here. A section inside another is validated by pydantic
+    # without calling __init__ (a custom __init__ would be called, and would translate errors
+    # before their key path is complete); this marker is how pydantic's RootModel says so.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_default(cls, data: Any) -> Any:
+        """A section written with nothing under it (`redis:`) takes its defaults."""
+        return {} if data is None else data
+
+
+def _plain_name(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", value):
+        raise ValueError(f"use letters, digits, '.', '_' or '-'; got {value!r}")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_plain_name)]
+Positive = Annotated[int, Field(gt=0)]
+Penalty = Annotated[float, Field(json_schema_extra={"maximum": 0})]
+Device = Literal["auto", "cpu", "cuda"]
+"""Where a part of the run computes (rl/run/devices.py resolves auto once, on the driver)."""
+
+
+def _ray_address(value: str) -> str:
+    if not re.fullmatch(r"local|auto|ray://[\w.\-]+:\d+|[\w.\-]+:\d+", value):
+        raise ValueError(f"must be local, auto, ray://host:port or host:port; got {value!r}")
+    return value
+
+
+class RayConfig(Section):
+    """The Ray cluster the run's actors live on."""
+
+    address: Annotated[str, AfterValidator(_ray_address)] = "local"
+    """"local" starts a private Ray on this machine; "auto" (on a cluster node, e.g. under `ray
+    job submit`) or "ray://host:port" (Ray Client) joins a cluster (docs/cluster.md)."""
+    num_cpus: Positive | None = None
+    """CPUs of the local Ray (default: all of this machine's)."""
+    object_store_mb: int = Field(512, gt=0)
+    """Object store size of the local Ray, in MiB."""
+
+
+def _redis_url(value: str | None) -> str | None:
+    if value is not None and not re.match(r"(redis|rediss|unix)://", value):
+        raise ValueError(f"must start with redis://, rediss:// or unix://; got {value!r}")
+    return value
+
+
+class RedisConfig(Section):
+    """The Redis server of the trajectory, task and metrics streams. On a cluster (ray.address
+    not local) every node must reach it: the embedded server starts on this (the head) node,
+    bound to its address, or `url` names a server with a password and AOF (docs/cluster.md)."""
+
+    url: Annotated[str | None, AfterValidator(_redis_url)] = None
+    """redis://[:password@]host:port/db of an existing server (rediss:// for TLS, with
+    ?ssl_ca_certs=/path/ca.pem to verify it); null starts an embedded one."""
+    bind: str | None = None
+    """The IP address of this machine that the embedded server listens on and the run's
+    processes connect to (0.0.0.0: listen everywhere, connect by the node IP). null: 127.0.0.1
+    when ray.address is local; on a cluster, the IP Ray reports for this node. A non-loopback
+    address is listened on besides 127.0.0.1 (for SSH tunnels)."""
+    tls_cert_file: str | None = None
+    """Embedded server: serve TLS only (rediss://) with this PEM certificate, which must name
+    the address the run connects to (bind, or the node IP) in its subjectAltName. Needs
+    tls_key_file and tls_ca_cert_file, and a redis-server built with TLS (Debian's is)."""
+    tls_key_file: str | None = None
+    """The PEM private key of tls_cert_file."""
+    tls_ca_cert_file: str | None = None
+    """The PEM CA certificate that signed tls_cert_file (for a self-signed certificate, the
+    certificate itself): every process that connects verifies the server against it, so on a
+    cluster it must exist at this path on every node (a file mount)."""
+
+    @model_validator(mode="after")
+    def _embedded_only(self) -> RedisConfig:
+        tls = [self.tls_cert_file, self.tls_key_file, self.tls_ca_cert_file]
+        if self.url is not None:
+            for key, value in (("bind", self.bind), ("tls_cert_file", tls[0])):
+                if value is not None:
+                    raise ConfigError(
+                        key,
+                        "configures the embedded server, but url names an existing one; "
+                        "remove it (for TLS to an existing server use a rediss:// url)",
+                    )
+        if any(tls) and not all(tls):
+            raise ConfigError(
+                "tls_cert_file",
+                "TLS needs all three of tls_cert_file, tls_key_file and tls_ca_cert_file",
+            )
+        return self
+
+
+def _entry_point(value: str | None) -> str | None:
+    if value is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+        raise ValueError(f"must look like 'package.module:EnvClass'; got {value!r}")
+    return value
+
+
+class EnvConfig(Section):
+    """The tool environment to train on."""
+
+    id: str | None = None
+    """A gymnasium id of a tool environment (default agentrl/Calculator-v0); with `entry_point`,
+    the id to register it under (default <module>/<Class>-v0)."""
+    entry_point: Annotated[str | None, AfterValidator(_entry_point)] = None
+    """"package.module:EnvClass" of an env that is not registered yet (a module in the current
+    directory works); registered under `id` before the run starts."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to gymnasium.make (they override the registered defaults)."""
+
+    @model_validator(mode="after")
+    def _default_id(self) -> EnvConfig:
+        if self.id is None and self.entry_point is not None:
+            module, _, cls = self.entry_point.partition(":")
+            self.id = f"{module.split('.')[0]}/{cls}-v0"
+        if self.id is None:
+            self.id = "agentrl/Calculator-v0"
+        return self
+
+
+def _penalty(value: float) -> float:
+    if value > 0:
+        raise ValueError(f"is a penalty: use a weight <= 0, got {value}")
+    return value
+
+
+class RewardConfig(Section):
+    """Weights of the reward terms (reward/): total = sum of weight x term."""
+
+    task_completion: float = Field(1.0, ge=0)
+    """1 when the env's outcome says the task was solved, else 0."""
+    env_reward: float = 0.0
+    """The env's own Gymnasium step rewards summed over the episode (0: ignored). This section
+    alone decides what the learner trains on; an env's native reward counts only through it."""
+    invalid_tool_call: Annotated[Penalty, AfterValidator(_penalty)] = 0.0
+    """Per invalid or unparsable tool call in the episode; a penalty, e.g. -0.1."""
+    length: Annotated[Penalty, AfterValidator(_penalty)] = 0.0
+    """Per 1000 tokens the policy generated in the episode; a penalty, e.g. -0.05."""
+
+    @model_validator(mode="after")
+    def _something_to_learn(self) -> RewardConfig:
+        if not self.weights():
+            raise ConfigError("task_completion", "every reward weight is 0: nothing to learn")
+        return self
+
+    def weights(self) -> dict[str, float]:
+        """The non-zero terms, as `reward.build_reward` takes them."""
+        terms = {
+            "task_completion": self.task_completion,
+            "env_reward": self.env_reward,
+            "invalid_tool_call": self.invalid_tool_call,
+            "length": self.length,
+        }
+        return {name: weight for name, weight in terms.items() if weight != 0}
+
+
+class PolicyConfig(Section):
+    """The policy: a saved model, or a fresh one built offline."""
+
+    path: str | None = None
+    """A local directory with a saved causal LM and tokenizer; null builds `model_type` fresh."""
+    model_type: str = "qwen3"
+    """transformers model type to build when `path` is null."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Model config fields (hidden_size, num_hidden_layers, ...) for a fresh model."""
+    vocab_size: int = Field(768, gt=0)
+    """Vocabulary of the tokenizer built offline for a fresh model."""
+    tokenizer_demonstrations: int = Field(400, gt=0)
+    """Expert episodes rendered as the tokenizer's training text (fresh models only)."""
+
+    @model_validator(mode="after")
+    def _k3_preset(self) -> PolicyConfig:
+        if self.model_type == "agentrl_k3" and self.path is None and "preset" not in self.config:
+            raise ConfigError(
+                "config.preset",
+                "an agentrl_k3 policy needs a preset (k3-debug, "
+                "k3-tiny or k3); its other config keys override the preset's fields",
+            )
+        return self
+
+
+class RolloutConfig(Section):
+    """Rollout workers: sampling, episode limits, partial rollouts."""
+
+    num_workers: int = Field(2, gt=0)
+    """RolloutWorker actors."""
+    cpus_per_worker: float = Field(0.5, ge=0)
+    """Ray CPUs reserved per worker (the same setting as resources.CPU; write either)."""
+    resources: Resources = Field(default_factory=dict)
+    """Ray resources each worker asks for besides its CPUs, e.g. {GPU: 1, rollout: 1} (a custom
+    resource that only some nodes offer puts the workers there); CPU here replaces
+    cpus_per_worker. Checked against the cluster before anything starts."""
+    spread: bool = True
+    """Place the workers with Ray's SPREAD strategy, over as many nodes as can hold them (a lost
+    node takes fewer workers with it); false: Ray's default, which fills the driver's node
+    first."""
+    threads_per_worker: int = Field(1, gt=0)
+    """torch threads in each worker."""
+    device: Device = "auto"
+    """Where the workers' engines (and so the evaluations) run. cuda: one GPU per worker, asked
+    of Ray; auto: cuda when a GPU is left for every worker after the learner's, else cpu. An
+    explicit cuda without enough GPUs is refused before anything starts (local Ray)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of rollouts (and of the sampled evaluation)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens with this much probability (1: off)."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens only (0: off)."""
+    max_new_tokens: int = Field(48, gt=0)
+    """Tokens per assistant turn."""
+    max_turns: int = Field(4, gt=0)
+    """Assistant turns per episode."""
+    max_seq_len: int = Field(1024, gt=0)
+    """Tokens per trajectory, prompt included; an episode that reaches it ends as truncated. At
+    most the policy's max_position_embeddings (checked before anything starts)."""
+    cache_budget_mb: Annotated[float, Field(gt=0)] | None = None
+    """Decode-cache memory per worker: an episode starts only if every live one can still reach
+    max_seq_len within it (null: half the memory available at start, shared by the workers)."""
+    record_routing: bool = True
+    """MoE policies: record the experts the rollout engine chose for every token (for routing
+    replay and the rollout/learner routing-mismatch metric)."""
+    max_env_error_rate: float = Field(0.5, gt=0, le=1)
+    """Stop the run when more than this fraction of a step's episodes end in an env error (the
+    env's reset or step raised, or a tool ran past tool_timeout_s; such episodes are counted in
+    rollout/env_errors and never trained on). 1: never stop."""
+    max_episodes: int = Field(64, gt=0)
+    """Live episodes per worker (decoded together; async mode admits new groups up to this)."""
+    tool_timeout_s: float = Field(60.0, gt=0)
+    """An env step (its tool calls) running longer ends that episode as an env error; the
+    other episodes keep decoding meanwhile."""
+    token_budget: Positive | None = None
+    """Partial rollouts: tokens a worker generates per iteration (sync: per collect; async: per
+    policy version it serves). Unfinished episodes are saved to Redis with their env state and
+    continued later, on any worker. null: no budget."""
+    max_restarts: int = Field(3, ge=0)
+    """Ray restarts a crashed rollout worker this many times (on another node if its node is
+    lost); its tasks are retried."""
+
+    @model_validator(mode="after")
+    def _turn_fits(self) -> RolloutConfig:
+        if self.max_new_tokens >= self.max_seq_len:
+            raise ConfigError("max_new_tokens", f"must be below max_seq_len ({self.max_seq_len})")
+        fold_cpus(self, "cpus_per_worker")
+        return self
+
+    @property
+    def ray_resources(self) -> dict[str, float]:
+        """What one worker asks Ray for (a GPU on cuda; resolve `auto` first: rl/run/devices.py)."""
+        return ask(self.cpus_per_worker, self.resources, self.device)
+
+
+class SFTConfig(Section):
+    """The supervised warm start on the env expert's demonstrations."""
+
+    enabled: bool = True
+    """Warm-start the policy on the env expert's demonstrations (TRL SFTTrainer)."""
+    demonstrations: int = Field(2000, gt=0)
+    """Expert episodes rendered as SFT examples."""
+    expert_error_rate: float = Field(0.3, ge=0, le=1)
+    """Share of demonstrations in which the expert deliberately goes wrong."""
+    epochs: float = Field(6.0, gt=0)
+    """Passes over the demonstrations (fractions allowed)."""
+    lr: float = Field(2e-3, gt=0)
+    """SFT learning rate (AdamW)."""
+    batch_size: int = Field(16, gt=0)
+    """SFT examples per optimizer step."""
+
+
+class EvalConfig(Section):
+    """Held-out evaluation after SFT and after RL (and every `every` steps between)."""
+
+    tasks: int = Field(200, ge=0)
+    """Held-out tasks (seeds disjoint from training)."""
+    samples: int = Field(4, gt=0)
+    """Sampled episodes per task at the training temperature."""
+    greedy: bool = True
+    """Also evaluate with greedy decoding (one episode per task)."""
+    every: int = Field(0, ge=0)
+    """Also evaluate every this many RL steps (trainer.mode: sync), logged at the step under the
+    algorithm's label, so the held-out success shows as a curve; 0: only after SFT and after
+    RL. Each costs what the final evaluation costs (eval.tasks x eval.samples episodes)."""
+
+
+class MetricsConfig(Section):
+    """Where metrics go besides metrics.jsonl and the Redis metrics stream."""
+
+    tensorboard: bool = True
+    """Also write TensorBoard events to <run>/tensorboard."""
+    collapse_window: int = 5
+    """Steps in the rolling mean used to detect a reward collapse."""
+    collapse_drop: float = 0.3
+    """A fall of the rolling mean success this far below its best is reported as a collapse."""
+    trajectories: int = Field(32, ge=0)
+    """Trajectories per step recorded in <run>/trajectories.jsonl for `agentrl show` (whole
+    groups, spread over the step's batch); 0: none."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`)."""
+    mlflow: bool = False
+    """Also log to MLflow (needs `pip install mlflow`)."""
+
+
+class WeightsConfig(Section):
+    """The weight push from the learner to the rollout workers."""
+
+    transport: Literal["object_store", "broadcast"] = "object_store"
+    """object_store: buckets as Ray objects (shared memory on a node); broadcast: a gloo group."""
+    bucket_mb: float = Field(256.0, gt=0)
+    """Size of one bucket of a push. object_store: fewer, bigger buckets cost fewer Ray calls
+    (256 MiB measured fastest on 2 cores); broadcast pipelines buckets and does better near 16."""
+    push_timeout_s: float = Field(120.0, gt=0)
+    """A push not acknowledged by every worker within this time is an error naming them."""
+
+
+class CheckpointConfig(Section):
+    """Checkpoints of the run (written every `checkpoint_every` steps and at the end)."""
+
+    keep_last: int = Field(3, ge=0)
+    """After each checkpoint commits, delete the step directories older than the newest this
+    many (0: keep all); never the one `checkpoints/latest` names. Curriculum stage-end
+    checkpoints count like any other."""
+
+
+class StageConfig(Section):
+    """One stage of a context curriculum (rl/run/curriculum.py): its steps, and the rollout limits
+    and env settings that replace the run's while it lasts."""
+
+    name: Name
+    """The stage's name (letters, digits, '.', '_', '-'), shown in the console and logs."""
+    steps: Positive
+    """RL steps in this stage; the stages' steps add up to trainer.steps."""
+    max_seq_len: Positive
+    """rollout.max_seq_len during the stage."""
+    max_turns: Positive | None = None
+    """rollout.max_turns during the stage (null: the run's)."""
+    max_new_tokens: Positive | None = None
+    """rollout.max_new_tokens during the stage (null: the run's)."""
+    env_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Merged over env.kwargs during the stage (e.g. longer documents, more hops)."""

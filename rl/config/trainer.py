@@ -1,0 +1,184 @@
+"""The trainer section of a run file (the learner's settings); the other sections are in
+rl/config/sections.py, the run file itself in rl/config/runfile.py."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from rl.config.errors import ConfigError
+from rl.config.resources import Resources, ask, fold_cpus
+from rl.config.sections import Device, Section
+
+Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"]
+Aggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+"""How per-token losses become one number (rl.learner.losses; TRL's loss types)."""
+
+
+class TrainerConfig(Section):
+    """The RL learner: algorithm, batch, optimizer, async and long-context settings."""
+
+    algorithm: Algorithm = "grpo"
+    """grpo | dr_grpo | dapo | gspo | cispo (group-relative), or ppo (value head + GAE)."""
+    steps: int = Field(60, gt=0)
+    """Optimizer steps (one batch of fresh rollouts each)."""
+    group_size: int = Field(8, gt=0)
+    """Samples per task; the GRPO family normalises rewards within a group."""
+    batch_size: int = Field(128, gt=0)
+    """Trajectories per step (= tasks per step x group_size)."""
+    lr: float = Field(5e-4, gt=0)
+    """RL learning rate (AdamW)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    clip_low: Annotated[float, Field(gt=0, lt=1)] | None = None
+    """Lower clip of the importance ratio (null: the algorithm's default, 0.2; gspo 3e-4)."""
+    clip_high: Annotated[float, Field(gt=0)] | None = None
+    """Upper clip (null: 0.2; dapo 0.28; gspo 4e-4); for cispo the ratio cap (default 5.0)."""
+    loss_aggregation: Aggregation | None = None
+    """null: the algorithm's default (grpo/gspo seq-mean-token-mean, dr_grpo
+    seq-mean-token-sum-norm, dapo/cispo/ppo token-mean)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of KL(policy || frozen initial policy) per token; 0 keeps no reference model."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """Per-token KL estimator when kl_coef > 0: k1 (the log ratio) or k3 (Schulman's unbiased,
+    non-negative estimator)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus (subtracted from the loss, times the token-mean entropy)."""
+    tis_cap: Annotated[float, Field(ge=1)] | None = None
+    """The cap of the per-token importance weight of `off_policy` (>= 1; tis: needed; decoupled:
+    null leaves the weight untruncated). Setting it alone turns on off_policy decoupled."""
+    off_policy: Literal["none", "tis", "decoupled"] | None = None
+    """Per-token correction for tokens sampled by another policy (older versions, another engine;
+    rl/learner/losses.py has the formulas). none: the ratio is taken against the sampling
+    (behaviour) logprobs. tis: the same, with every token's importance weight truncated at tis_cap.
+    decoupled: a no-grad forward before the update gives the proximal logprobs; the clip acts on
+    pi / pi_proximal and each token is weighted by min(pi_proximal / pi_behaviour, tis_cap).
+    null: decoupled when tis_cap is set, else none."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch (reshuffled every pass); one step() is still one policy version."""
+    mini_batch_size: int | None = None
+    """Trajectories per optimizer step (must divide batch_size); null: the whole batch. A step()
+    takes ppo_epochs x batch_size / mini_batch_size optimizer steps."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """PPO: discount between turns."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """PPO: GAE lambda."""
+    routing_replay: bool = False
+    """MoE policies: replay the rollout engine's expert choices in the learner's forward (R3);
+    the router still gets gradients through the replayed experts' scores."""
+    vf_coef: float = Field(0.1, ge=0)
+    """PPO: weight of the value loss (the value head shares the policy trunk)."""
+    value_clip: Annotated[float, Field(gt=0)] | None = 0.2
+    """PPO: clip of the value prediction around its old value (null: unclipped)."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradients are clipped to this global norm."""
+    micro_batch_size: int = Field(32, gt=0)
+    """Trajectories per forward/backward (gradients accumulate to the batch)."""
+    segment_tokens: int = Field(0, ge=0)
+    """Long trajectories: when > 0, a micro-batch longer than this runs the policy's forward and
+    backward in segments of this many tokens that carry the KDA state and the MLA latents from
+    segment to segment, each segment recomputed in the backward (activation checkpointing), so
+    memory grows about linearly with the length; same gradient as unsegmented. K3 policies only
+    (the learner raises for other models) and one learner rank (world_size 1). 0 = off: one
+    forward over the whole micro-batch."""
+    autocast: Literal["none", "bf16"] = "none"
+    """bf16: the learner's forward (and so its backward) under torch.autocast in bfloat16; the
+    weights, gradients and optimizer state stay fp32, and K3's KDA recurrence, attention softmax,
+    AttnRes and router scores stay fp32. none: the model's own dtype throughout."""
+    cpus: float = Field(1.0, ge=0)
+    """Ray CPUs reserved for each learner rank (the same setting as resources.CPU)."""
+    resources: Resources = Field(default_factory=dict)
+    """Ray resources each learner rank asks for besides its CPUs, e.g. {GPU: 1, learner: 1};
+    CPU here replaces trainer.cpus. Checked against the cluster before anything starts."""
+    device: Device = "auto"
+    """Where the learner ranks and the SFT warm start compute. cuda: one GPU per rank, asked of
+    Ray, NCCL between ranks (gloo on cpu), and with world_size > 1 FSDP2 computes in bf16 and
+    reduces gradients in fp32; auto: cuda when there is a GPU for every rank, else cpu. An
+    explicit cuda without enough GPUs is refused before anything starts (local Ray)."""
+    world_size: int = Field(1, gt=0)
+    """Learner ranks (Ray actors in one placement group, one torch.distributed group; FSDP2)."""
+    expert_parallel: int = 1
+    """Ranks that split each MoE layer's routed experts (must divide world_size)."""
+    placement_timeout_s: float = Field(30.0, gt=0)
+    """Fail, naming what is free, if the learner ranks' placement group is not placed in this
+    time (the cluster has the resources, checked at start, but other work holds them)."""
+    threads: int = Field(2, gt=0)
+    """torch threads in the learner (async mode: at most trainer.cpus, since the workers
+    compute at the same time)."""
+    read_timeout_s: float = Field(300.0, gt=0)
+    """Give up (with an error) if the stream yields no group for this long."""
+    max_skipped_steps: int = Field(3, ge=0)
+    """Stop the run (with an error naming the steps) after this many learner steps in a row
+    whose every optimizer step was skipped for a NaN/Inf loss or gradient (0: never stop)."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: generate a batch, train on it, push, repeat. async: workers never wait for the
+    learner; it trains on groups as they arrive, within max_staleness versions."""
+    max_staleness: int = Field(1, ge=0)
+    """async: tasks are released to the workers only while
+    started groups < (learner version + max_staleness + 1) x tasks per step (admission control:
+    generation pauses; nothing is ever discarded for being old or long)."""
+
+    @property
+    def ray_resources(self) -> dict[str, float]:
+        """What one learner rank asks Ray for."""
+        return ask(self.cpus, self.resources, self.device)
+
+    @model_validator(mode="after")
+    def _ranks(self) -> TrainerConfig:
+        fold_cpus(self, "cpus")
+        if self.segment_tokens and self.world_size > 1:
+            raise ConfigError(
+                "segment_tokens",
+                "is single-rank for now (world_size 1): ranks would run different numbers of "
+                "segments, and so of FSDP / expert-parallel collectives",
+            )
+        if self.expert_parallel < 1 or self.world_size % self.expert_parallel:
+            raise ConfigError(
+                "expert_parallel",
+                f"must divide world_size ({self.world_size}); got {self.expert_parallel}",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _groups(self) -> TrainerConfig:
+        if self.algorithm != "ppo" and self.group_size < 2:
+            raise ConfigError(
+                "group_size",
+                f"must be >= 2 for {self.algorithm}: rewards are "
+                f"normalised within a group (use algorithm: ppo for single samples); "
+                f"got {self.group_size}",
+            )
+        if self.batch_size % self.group_size:
+            raise ConfigError(
+                "batch_size",
+                f"must be a multiple of group_size ({self.group_size}); got {self.batch_size}",
+            )
+        mini = self.mini_batch_size
+        if mini is not None and not (1 <= mini <= self.batch_size and self.batch_size % mini == 0):
+            raise ConfigError(
+                "mini_batch_size",
+                f"must divide batch_size ({self.batch_size}) (trajectories per optimizer step; "
+                f"null: the whole batch); got {mini}",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _off_policy(self) -> TrainerConfig:
+        if self.off_policy is None:
+            self.off_policy = "none" if self.tis_cap is None else "decoupled"
+        if self.off_policy == "tis" and self.tis_cap is None:
+            raise ConfigError("tis_cap", "off_policy tis truncates at tis_cap: set it (e.g. 2.0)")
+        if self.off_policy == "none" and self.tis_cap is not None:
+            raise ConfigError(
+                "tis_cap",
+                "has no effect with off_policy none: set off_policy to tis or decoupled, "
+                "or drop tis_cap",
+            )
+        return self
+
+    @property
+    def tasks_per_step(self) -> int:
+        return self.batch_size // self.group_size

@@ -1,0 +1,71 @@
+"""Exactly-once bookkeeping: which trajectory groups a learner step trained, filtered or failed.
+
+Every group that reaches the learner ends in exactly one ledger entry:
+
+    trained    packed into an optimizer step (its id joins the learner's trained set, which is
+               saved in every checkpoint, so a redelivered copy is never trained again)
+    filtered   {"duplicate": a group id already trained (a retried task whose first attempt
+               also arrived), "flat": DAPO's filter, all rewards equal}
+    failed     {"no trainable trajectory": every episode ended in an env or grader error,
+               "non-finite gradient": every optimizer step of its batch had a NaN/Inf gradient
+               and was skipped (the weights did not change)}
+
+The driver appends one line per step to `<run>/ledger.jsonl` (cut back to the checkpoint on
+resume, like metrics.jsonl), so produced = trained + filtered + failed + still buffered can be
+checked against the `produced` counts the workers write atomically with each group.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rl.learner.batch import drop_flat_groups
+from rl.learner.checkpoint import truncate_jsonl
+from rollout.types import TrajectoryGroup
+
+
+def new_entry() -> dict:
+    return {"trained": [], "filtered": {}, "failed": {}}
+
+
+def note(entry: dict, kind: str, reason: str, group_id: str) -> None:
+    entry[kind].setdefault(reason, []).append(group_id)
+
+
+def sort_groups(
+    groups: list[TrajectoryGroup], *, drop_flat: bool, entry: dict
+) -> list[TrajectoryGroup]:
+    """The groups to train on; the rest are noted in `entry` with their reason."""
+    live = []
+    for group in groups:
+        if any(t.trainable for t in group.trajectories):
+            live.append(group)
+        else:
+            note(entry, "failed", "no trainable trajectory", group.group_id)
+    if drop_flat:
+        kept, _ = drop_flat_groups(live)
+        kept_ids = {g.group_id for g in kept}
+        for group in live:
+            if group.group_id not in kept_ids:
+                note(entry, "filtered", "flat", group.group_id)
+        live = kept
+    entry["trained"] = [g.group_id for g in live]
+    return live
+
+
+def append(run_dir: Path, step: int, entry: dict) -> None:
+    with (run_dir / "ledger.jsonl").open("a") as f:
+        f.write(json.dumps({"step": step, **entry}) + "\n")
+
+
+def truncate(run_dir: Path, step: int) -> int:
+    """Drop lines after `step` (their steps are redone after a resume); returns how many."""
+    return truncate_jsonl(run_dir / "ledger.jsonl", step)
+
+
+def read(run_dir: Path) -> list[dict]:
+    path = run_dir / "ledger.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

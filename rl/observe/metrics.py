@@ -1,0 +1,192 @@
+"""Per-step metrics to metrics.jsonl, TensorBoard, a Redis stream, the optional W&B / MLflow
+trackers (rl/observe/trackers.py) and the console; collapse detection; the compact console line."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+from rl.observe.trackers import tracker_metrics
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        client: redis.Redis | None,
+        stream: str,
+        tensorboard: bool,
+        purge_step: int | None = None,
+        trackers: Sequence = (),
+    ):
+        """`purge_step`: on resume, TensorBoard events from this step on are dropped (rewritten).
+        `trackers`: rl/observe/trackers.py's W&B / MLflow loggers, each given every record."""
+        self.path = run_dir / "metrics.jsonl"
+        self.client, self.stream = client, stream
+        self.trackers = list(trackers)
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+
+    def log(self, step: int, metrics: dict[str, float], *, phase: str = "train") -> None:
+        record = {"step": step, "phase": phase, "time": round(time.time(), 3), **metrics}
+        line = json.dumps(record)
+        with self.path.open("a") as fh:
+            fh.write(line + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float):
+                    plain = phase == "train" or key.startswith(f"{phase}/")
+                    self.writer.add_scalar(key if plain else f"{phase}/{key}", value, step)
+            self.writer.flush()
+        if self.client is not None:
+            self.client.xadd(self.stream, {"data": line}, maxlen=100_000, approximate=True)
+        for tracker in self.trackers:
+            tracker.log(step, tracker_metrics(metrics, phase))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def eval_record(label: str, mode: str, success: float, low: float, high: float) -> dict:
+    """One evaluation's metrics, under names distinct for each label (sft, grpo, ...) and kind
+    (sampled, greedy): `eval/<label>/<kind>/success`, `.../ci_low`, `.../ci_high`, plus the
+    label and the full mode text."""
+    base = f"eval/{label}/{mode.split(' ')[0]}"
+    return {
+        "eval/label": label,
+        "eval/mode": mode,
+        f"{base}/success": success,
+        f"{base}/ci_low": low,
+        f"{base}/ci_high": high,
+    }
+
+
+def eval_values(record: dict) -> tuple[float, float, float]:
+    """(success, ci_low, ci_high) of an evaluation record (also one written before the names
+    became distinct, with plain `eval/success`)."""
+    base = f"eval/{record.get('eval/label')}/{str(record.get('eval/mode', '')).split(' ')[0]}"
+    if f"{base}/success" not in record:
+        base = "eval"
+    return record[f"{base}/success"], record[f"{base}/ci_low"], record[f"{base}/ci_high"]
+
+
+class CollapseDetector:
+    """Flags a training-reward collapse: the rolling mean falls `drop` below its best."""
+
+    def __init__(self, *, window: int, drop: float):
+        self.values: deque[float] = deque(maxlen=window)
+        self.best = float("-inf")
+        self.drop = drop
+        self.collapsed = False
+
+    def update(self, value: float) -> str | None:
+        self.values.append(value)
+        if len(self.values) < self.values.maxlen:
+            return None
+        mean = sum(self.values) / len(self.values)
+        self.best = max(self.best, mean)
+        if not self.collapsed and self.best - mean >= self.drop:
+            self.collapsed = True
+            return (
+                f"REWARD COLLAPSE: the rolling mean success fell from {self.best:.2f} to "
+                f"{mean:.2f}; lower trainer.lr or raise trainer.batch_size"
+            )
+        return None
+
+
+def push_metrics(push: dict) -> dict[str, float]:
+    """A weight push's figures (rl.run.weights.push_weights' result) as metrics."""
+    return {
+        "weights/push_seconds": push["seconds"],
+        "weights/push_gb_per_s": push["gb_per_s"],
+        "weights/push_mb": push["bytes"] / 2**20,
+    }
+
+
+def redis_metrics(client, stream: str) -> dict[str, float]:
+    """Entries left in the trajectory stream (bounded: consumed entries are trimmed after each
+    checkpoint) and the Redis server's memory."""
+    if client is None:
+        return {}
+    return {
+        "redis/stream_entries": float(client.xlen(stream)),
+        "redis/used_memory_mb": client.info("memory")["used_memory"] / 2**20,
+    }
+
+
+def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Add up the workers' counters into rates.
+
+    The reward mean and std are over scored trajectories (env and grader errors are counted in
+    `rollout/env_errors` and `rollout/grader_errors`, and excluded). Per reward term:
+    `reward/<term>` (its raw mean); per env: `env/<id>/success_rate`; per tool:
+    `tools/<name>/calls` and `tools/<name>/failure_rate`.
+    """
+    total: dict[str, float] = {}
+    for s in stats:
+        for key, value in s.items():
+            total[key] = total.get(key, 0) + value
+    n = max(total["episodes"], 1)
+    scored = max(total.get("scored", total["episodes"]), 1)
+    mean = total["reward_sum"] / scored
+    var = max(total["reward_sq_sum"] / scored - mean**2, 0.0)
+    seconds = max(s["seconds"] for s in stats)
+    out = {
+        "reward/mean": mean,
+        "reward/std": var**0.5,
+        "rollout/success_rate": total["successes"] / n,
+        "rollout/tool_call_rate": total["episodes_with_tool_call"] / n,
+        "rollout/tool_error_rate": total["tool_errors"] / max(total["tool_calls"], 1),
+        "rollout/parse_errors": total["parse_errors"],
+        "rollout/response_length": total["generated_tokens"] / n,
+        "rollout/turns": total["turns"] / n,
+        "rollout/truncated_rate": total["truncated"] / n,
+        "rollout/errors": total["errors"],
+        "rollout/env_errors": total.get("env_errors", 0),
+        "rollout/env_error_rate": total.get("env_errors", 0) / n,
+        "rollout/episodes": total["episodes"],
+        "rollout/grader_errors": total.get("grader_errors", 0),
+        "rollout/tokens_per_s": total["generated_tokens"] / max(seconds, 1e-9),
+        "rollout/seconds": seconds,
+    }
+    for key, value in total.items():
+        kind, _, rest = key.partition("/")
+        if kind == "reward_part":
+            out[f"reward/{rest}"] = value / scored
+        elif kind == "env" and rest.endswith("/episodes"):
+            env_id = rest.removesuffix("/episodes")
+            out[f"env/{env_id}/success_rate"] = total[f"env/{env_id}/successes"] / max(value, 1)
+        elif kind == "tool" and rest.endswith("/calls"):
+            name = rest.removesuffix("/calls")
+            out[f"tools/{name}/calls"] = value
+            out[f"tools/{name}/failure_rate"] = total[f"tool/{name}/failures"] / max(value, 1)
+    return out
+
+
+def console_line(step: int, steps: int, m: dict[str, float]) -> str:
+    nan = float("nan")
+    g = lambda key: m.get(key, nan)  # noqa: E731  (a skipped update has no learner metrics)
+    line = (
+        f"step {step:>3}/{steps} | reward {g('reward/mean'):.2f}±{g('reward/std'):.2f} "
+        f"| success {g('rollout/success_rate'):.0%} | tools {g('rollout/tool_call_rate'):.0%} "
+        f"(err {g('rollout/tool_error_rate'):.0%}) | len {g('rollout/response_length'):.0f} "
+        f"| ent {g('learner/entropy'):.3f} | clip {g('learner/clip_fraction'):.3f} "
+        f"| kl {g('learner/approx_kl'):.1e} | gnorm {g('learner/grad_norm'):.2f} "
+        f"| {g('rollout/tokens_per_s'):,.0f} tok/s | lag {g('learner/policy_lag'):.0f} "
+        f"| push {g('weights/push_seconds'):.2f}s"
+    )
+    if m.get("learner/dropped_groups"):
+        line += f" | dropped {m['learner/dropped_groups']:.0f} flat groups"
+    return line

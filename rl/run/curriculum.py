@@ -1,0 +1,60 @@
+"""A context curriculum: the run file's `curriculum:` stages run in order, each with its own
+max_seq_len, turns, tokens per turn and env settings, e.g. the seed's 8K -> 64K -> 256K -> 1M
+(configs/long_context.yaml):
+
+    curriculum:
+      - {name: 8k, steps: 40, max_seq_len: 8192, env_kwargs: {doc_tokens: 1000}}
+      - {name: 64k, steps: 20, max_seq_len: 65536, env_kwargs: {doc_tokens: 8000}}
+
+Step s (1-based) belongs to the first stage whose cumulative steps reach s. The sync loop
+(rl/run/train.py) switches every worker's limits and envs when a stage begins (and at the first step
+after a resume, so `--resume` in the middle of a curriculum continues in the right stage),
+checkpoints at the last step of every stage (ordinary step-NNNNNN checkpoints, which
+`checkpoint.keep_last` prunes like any other), and evaluates before and after training at the
+last (longest) stage, so the two evaluations compare like with like.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from rl.config.runfile import RunConfig
+
+
+def stage_index(cfg: RunConfig, step: int) -> int | None:
+    """The stage that step `step` (1-based) belongs to; None without a curriculum."""
+    if not cfg.curriculum:
+        return None
+    ends = list(itertools.accumulate(stage.steps for stage in cfg.curriculum))
+    return next((i for i, end in enumerate(ends) if step <= end), len(ends) - 1)
+
+
+def stage_ends(cfg: RunConfig) -> set[int]:
+    """The steps that end a stage (a checkpoint is taken at each)."""
+    return set(itertools.accumulate(stage.steps for stage in cfg.curriculum))
+
+
+def staged(cfg: RunConfig, index: int | None) -> RunConfig:
+    """The run's config as stage `index` sees it (the config itself for None)."""
+    if index is None:
+        return cfg
+    stage = cfg.curriculum[index]
+    rollout = cfg.rollout.model_copy(
+        update={
+            "max_seq_len": stage.max_seq_len,
+            "max_turns": stage.max_turns or cfg.rollout.max_turns,
+            "max_new_tokens": stage.max_new_tokens or cfg.rollout.max_new_tokens,
+        }
+    )  # model_copy does not validate again: load_config checked every stage against the run
+    env = cfg.env.model_copy(update={"kwargs": {**cfg.env.kwargs, **stage.env_kwargs}})
+    return cfg.model_copy(update={"rollout": rollout, "env": env})
+
+
+def describe(cfg: RunConfig, index: int) -> str:
+    stage, run = cfg.curriculum[index], staged(cfg, index)
+    extra = f", env {stage.env_kwargs}" if stage.env_kwargs else ""
+    return (
+        f"curriculum stage {index + 1}/{len(cfg.curriculum)} {stage.name!r}: {stage.steps} steps, "
+        f"max_seq_len {run.rollout.max_seq_len}, {run.rollout.max_turns} turns x "
+        f"{run.rollout.max_new_tokens} tokens{extra}"
+    )

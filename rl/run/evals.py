@@ -1,0 +1,83 @@
+"""Held-out evaluation during a run: seeds from the held-out range split over the rollout
+workers, every mode (sampled at the training temperature, greedy) logged as a metrics record
+with its 95% Wilson interval (rl/observe/evaluate.py) and printed."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+
+from policy.sampling import SamplingParams
+from rl.observe.evaluate import EVAL_SEED_OFFSET, EvalResult, eval_result
+from rl.observe.metrics import MetricsLogger, eval_record
+from rl.run.build import sampling
+from rl.run.curriculum import staged
+
+logger = logging.getLogger(__name__)
+
+
+def evaluate(
+    workers, *, tasks: int, samples: int, sampling: SamplingParams, mode: str
+) -> EvalResult:
+    seeds = [EVAL_SEED_OFFSET + i for i in range(tasks)]
+    chunks = [seeds[i :: len(workers)] for i in range(len(workers))]
+    answers = ray.get(
+        [w.evaluate.remote(c, samples, sampling) for w, c in zip(workers, chunks, strict=True) if c]
+    )
+    return eval_result(mode, tasks, samples, answers)
+
+
+def set_stage(cfg, workers, index: int | None) -> None:
+    """Give every worker the limits and env settings of curriculum stage `index` (no-op without
+    a curriculum)."""
+    if index is not None:
+        ray.get([w.set_stage.remote(staged(cfg, index)) for w in workers])
+
+
+def run_evals(cfg, workers, renderer, log: MetricsLogger, *, step: int, label: str) -> dict:
+    """Every evaluation mode of `cfg.eval` -> {mode: EvalResult}, each logged at `step`."""
+    if cfg.eval.tasks == 0:
+        return {}
+    modes = {
+        f"sampled (T={cfg.rollout.temperature:g}, {cfg.eval.samples}/task)": (
+            cfg.eval.samples,
+            sampling(cfg.rollout, renderer),
+        )
+    }
+    if cfg.eval.greedy:
+        modes["greedy"] = (1, sampling(cfg.rollout, renderer, greedy=True))
+    out = {}
+    for mode, (samples, params) in modes.items():
+        start = time.perf_counter()
+        result = evaluate(
+            workers, tasks=cfg.eval.tasks, samples=samples, sampling=params, mode=mode
+        )
+        out[mode] = result
+        record = eval_record(label, mode, result.success, result.ci_low, result.ci_high)
+        log.log(step, record, phase="eval")
+        logger.info(
+            f"eval after {label.upper()}"
+            + (f" step {step}" if step else "")
+            + f", {mode}: {result} on {cfg.eval.tasks} held-out tasks "
+            f"({time.perf_counter() - start:.0f} s)"
+        )
+    return out
+
+
+def longest_stage(cfg) -> int | None:
+    """The curriculum's last stage (evaluations run there), None without a curriculum."""
+    return len(cfg.curriculum) - 1 if cfg.curriculum else None
+
+
+def evals_at_longest(
+    cfg, workers, renderer, log, *, step: int, label: str, stage: int | None = None
+) -> dict:
+    """run_evals at the curriculum's longest stage; then back to `stage` (the one training)."""
+    last = longest_stage(cfg)
+    set_stage(cfg, workers, last)
+    out = run_evals(staged(cfg, last), workers, renderer, log, step=step, label=label)
+    if stage is not None and stage != last:
+        set_stage(cfg, workers, stage)
+    return out

@@ -1,0 +1,101 @@
+"""What every RL step does once the learner has updated, in both modes (rl/run/sync_loop.py and
+rl/run/async_loop.py show only what differs): the ledger and trajectory records, the weight
+push, the collapse alarm, the metrics record, the stop checks, the checkpoint, the console line
+and, every `eval.every` steps, a held-out evaluation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+from tqdm import tqdm
+
+from rl.config.runfile import RunConfig
+from rl.learner import ledger
+from rl.observe import trajlog
+from rl.observe.metrics import (
+    CollapseDetector,
+    MetricsLogger,
+    console_line,
+    push_metrics,
+    redis_metrics,
+)
+from rl.run.evals import evals_at_longest
+from rl.run.failures import check_env_errors, check_skipped
+from rl.run.runstate import RunState, save_checkpoint
+from rl.run.weights import push_weights
+from rollout.keys import RunKeys
+
+
+@dataclass
+class StepTail:
+    """The shared end of a step. `record` right after the learner's update (ledger lines,
+    trajectories, push); `finish` once the loop has added what it alone measures."""
+
+    cfg: RunConfig
+    run_dir: Path
+    learner: object
+    workers: list
+    renderer: object
+    log: MetricsLogger
+    state: RunState
+    bar: tqdm
+    detector: CollapseDetector = field(init=False)
+
+    def __post_init__(self) -> None:
+        m = self.cfg.metrics
+        self.detector = CollapseDetector(window=m.collapse_window, drop=m.collapse_drop)
+
+    def record(self, step: int) -> dict[str, float]:
+        """Ledger and trajectory records of the step, then the weight push -> push metrics."""
+        ledger.append(self.run_dir, step, ray.get(self.learner.ledger.remote()))
+        if self.cfg.metrics.trajectories:
+            recs = ray.get(self.learner.trajectories.remote(self.cfg.metrics.trajectories))
+            trajlog.append(self.run_dir, step, recs)
+        w = self.cfg.weights
+        push = push_weights(
+            self.learner, self.workers, timeout_s=w.push_timeout_s, transport=w.transport
+        )
+        return push_metrics(push)
+
+    def finish(
+        self, step: int, metrics: dict, *, checkpoint: bool = False, stage: int | None = None
+    ) -> None:
+        """Log, check, evaluate and checkpoint step `step`; `checkpoint`: also save now (a
+        curriculum stage ends); `stage`: the curriculum stage training (evaluations run at the
+        longest one, then training goes on at this one)."""
+        cfg, alarm = self.cfg, None
+        if "rollout/success_rate" in metrics:
+            alarm = self.detector.update(metrics["rollout/success_rate"])
+        metrics["health/collapsed"] = float(self.detector.collapsed)
+        trajectories = RunKeys(self.run_dir.name).trajectories
+        metrics.update(redis_metrics(self.log.client, trajectories))
+        self.log.log(step, metrics)
+        check_skipped(step, metrics, cfg.trainer.max_skipped_steps, self.run_dir)
+        check_env_errors(step, metrics, cfg.rollout.max_env_error_rate, cfg.env.id, self.run_dir)
+        self.state.step = step
+        self.bar.write(
+            console_line(step, cfg.trainer.steps, metrics) + (f"\n!!! {alarm}" * bool(alarm))
+        )
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.steps:
+            self.evaluate(step, stage)
+        every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+        if step == cfg.trainer.steps or every or checkpoint:
+            save_checkpoint(
+                self.run_dir, self.state, self.learner, keep_last=cfg.checkpoint.keep_last
+            )
+        if "rollout/success_rate" in metrics:
+            self.bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
+        self.bar.update(1)
+
+    def evaluate(self, step: int, stage: int | None) -> None:
+        """The held-out evaluation of `eval.every`, logged at `step` under the algorithm's
+        label (the monitor and `agentrl plot` show them as a curve)."""
+        start = time.perf_counter()
+        label = self.cfg.trainer.algorithm
+        evals_at_longest(
+            self.cfg, self.workers, self.renderer, self.log, step=step, label=label, stage=stage
+        )
+        self.bar.write(f"[agentrl] evaluation at step {step}: {time.perf_counter() - start:.0f} s")

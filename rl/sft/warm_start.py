@@ -1,0 +1,106 @@
+"""SFT warm start on the env expert's demonstrations, with TRL's `SFTTrainer`.
+
+The demonstrations are rendered by the rollout renderer (same token layout as the policy's own
+episodes) and handed to TRL pre-tokenized: `input_ids` plus `assistant_masks`, so only the
+assistant's tokens are trained.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import gymnasium
+
+from envs import demonstrate, ensure_registered, make_expert
+from rl.config.runfile import RunConfig
+from rollout.demos import render_demonstration
+from rollout.render import ChatRenderer
+
+DEMO_SEED_OFFSET = 2_000_000_000  # demonstrations, training and evaluation draw disjoint seeds
+
+
+def expert_demonstrations(cfg: RunConfig, count: int, *, error_rate: float, seed: int):
+    ensure_registered(cfg.env.id, cfg.env.entry_point)  # a run file's env.entry_point
+    env = gymnasium.make(cfg.env.id, **cfg.env.kwargs)
+    expert = make_expert(cfg.env.id, error_rate=error_rate, seed=seed)
+    demos = [
+        demonstrate(env, expert, seed=DEMO_SEED_OFFSET + seed * count + i) for i in range(count)
+    ]
+    env.close()
+    return demos
+
+
+def sft_examples(renderer: ChatRenderer, demos) -> list[dict[str, list[int]]]:
+    out = []
+    for demo in demos:
+        ids, mask = render_demonstration(renderer, demo.messages, demo.tools)
+        out.append({"input_ids": ids, "assistant_masks": mask})
+    return out
+
+
+def run_sft(
+    cfg: RunConfig, model, tokenizer, examples, out_dir: Path, *, device: str = "cpu"
+) -> dict[str, float]:
+    """Train `model` in place on `device` ("cpu" or "cuda": the model is left there); returns
+    the final training loss and wall seconds."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    steps_per_epoch = max(1, len(examples) // cfg.sft.batch_size)
+    with warnings.catch_warnings():  # TRL's own default trips transformers' rename warning
+        warnings.filterwarnings(
+            "ignore", message=".*gradient_checkpointing.*", category=FutureWarning
+        )
+        args = _sft_args(cfg, out_dir, steps_per_epoch, SFTConfig, device=device)
+    if device == "cuda":  # one GPU: with several visible, transformers would use DataParallel
+        _ = args.device  # (and multiply the batch); it sets n_gpu here, so override after
+        args._n_gpu = 1
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(examples),
+        processing_class=tokenizer,
+    )
+    start = time.perf_counter()
+    result = trainer.train()
+    return {"sft/loss": float(result.training_loss), "sft/seconds": time.perf_counter() - start}
+
+
+def release_gpu(model) -> None:
+    """Move a model off the GPU and hand the driver's cached GPU memory back."""
+    import gc
+
+    import torch
+
+    model.to("cpu")
+    gc.collect()  # the trainer's optimizer state and gradients are in reference cycles
+    torch.cuda.empty_cache()
+
+
+def _sft_args(
+    cfg: RunConfig, out_dir: Path, steps_per_epoch: int, config_cls, *, device: str = "cpu"
+):
+    """TRL's SFTConfig for the run: on the CPU (use_cpu) unless `device` is "cuda"; fp32 either
+    way (bf16 SFT is not measured yet, so it is not on)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"SFT device must be cpu or cuda, got {device!r}")
+    return config_cls(
+        output_dir=str(out_dir),
+        num_train_epochs=cfg.sft.epochs,
+        per_device_train_batch_size=cfg.sft.batch_size,
+        learning_rate=cfg.sft.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps_per_epoch // 4),
+        logging_steps=max(1, steps_per_epoch // 2),
+        report_to=["tensorboard"],
+        save_strategy="no",
+        use_cpu=device != "cuda",
+        bf16=False,
+        gradient_checkpointing=False,
+        max_length=None,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        dataloader_num_workers=0,
+    )

@@ -1,0 +1,113 @@
+"""The Redis key layout of a run: every key and stream name, spelled here and nowhere else.
+
+All of a run's keys sit under one prefix, `agentrl:<run id>` (the run id is the run directory's
+name). `RunKeys(run_id)` names each of them; product code asks it instead of building names.
+
+    key (after the prefix)   type    written by -> read by
+    :tasks                   stream  the driver issues (group id, seed) tasks, and issues again
+                                     those a dead job held (rl/run/async_loop.py Feeder, through
+                                     rollout/tasks.py TaskQueue) -> the rollout workers
+                                     (TaskQueue.claim, consumer group `workers`)
+    :attempts                hash    group id -> claims so far: the workers, at each claim
+                                     (TaskQueue) -> the same (a task's attempt number)
+    :produced                hash    group id -> times completed: the workers
+                                     (TaskQueue.complete) -> TaskQueue.produced, the chaos books
+                                     (tests/chaos/books.py)
+    :episodes:<group id>     hash    episode index -> a saved unfinished episode: the workers
+                                     (TaskQueue.save_episodes; deleted by complete) -> a worker
+                                     retrying the task (TaskQueue.saved_episodes)
+    :issued                  string  tasks issued so far: the driver (Feeder) -> the same
+    :trajectories            stream  one entry per group: the workers (TaskQueue.complete; sync
+                                     mode rollout/stream.py RedisTrajectoryStream) -> learner
+                                     rank 0 (RedisGroupReader, consumer group `learner`), the
+                                     workers' staleness gate (the group's lag, rl/run/serving.py),
+                                     the driver's redis metrics (rl/observe/metrics.py)
+    :trajectories:dead       stream  entries the learner cannot decode, with the reason
+                                     (RedisGroupReader) -> people and tests
+    :metrics                 stream  metrics.jsonl records: the driver (rl/observe/metrics.py
+                                     MetricsLogger) -> `agentrl monitor --redis`
+                                     (rl/observe/monitor.py RedisSource)
+    :learner_version         string  the learner's version after each step: the driver (async
+                                     mode, rl/run/async_loop.py) -> the workers' staleness gate
+    :starts:worker-<index>   string  rollout worker <index>: INCR at each start
+                                     (rl/run/actors.py WorkerHost) -> the same (its incarnation)
+    :fault:killed-worker     string  fault injection (AGENTRL_FAULT_KILL_WORKER=any): SET NX by
+                                     the worker chosen to be killed (rl/run/serving.py) -> the
+                                     other workers
+
+Consumer groups: `workers` on `:tasks`, `learner` on `:trajectories`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NAMESPACE = "agentrl"
+WORKER_GROUP = "workers"
+"""Consumer group of the rollout workers on the task stream."""
+LEARNER_GROUP = "learner"
+"""Consumer group of the learner on the trajectory stream."""
+
+
+def dead_letter_stream(stream: str) -> str:
+    """Where a consumer of `stream` puts entries it cannot decode."""
+    return f"{stream}:dead"
+
+
+@dataclass(frozen=True, slots=True)
+class RunKeys:
+    """The Redis keys of run `run_id` (see the module docstring for the table)."""
+
+    run_id: str
+
+    @property
+    def prefix(self) -> str:
+        return f"{NAMESPACE}:{self.run_id}"
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    @property
+    def tasks(self) -> str:
+        return self._key("tasks")
+
+    @property
+    def attempts(self) -> str:
+        return self._key("attempts")
+
+    @property
+    def produced(self) -> str:
+        return self._key("produced")
+
+    def episodes(self, group_id: str) -> str:
+        """The saved unfinished episodes of one group."""
+        return self._key("episodes", group_id)
+
+    @property
+    def issued(self) -> str:
+        return self._key("issued")
+
+    @property
+    def trajectories(self) -> str:
+        return self._key("trajectories")
+
+    @property
+    def dead_letters(self) -> str:
+        return dead_letter_stream(self.trajectories)
+
+    @property
+    def metrics(self) -> str:
+        return self._key("metrics")
+
+    @property
+    def learner_version(self) -> str:
+        return self._key("learner_version")
+
+    def worker_starts(self, index: int) -> str:
+        """Counts the starts (incarnations) of rollout worker `index`."""
+        return self._key("starts", f"worker-{index}")
+
+    @property
+    def killed_worker(self) -> str:
+        """Fault injection (AGENTRL_FAULT_KILL_WORKER=any): the worker chosen to be killed."""
+        return self._key("fault", "killed-worker")
