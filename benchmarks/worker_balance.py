@@ -11,9 +11,9 @@ another checkout alternately with this one, so both see the same machine at the 
 peer for the figures in docs/benchmarks.md is this checkout with the share off (every worker
 takes all the new tasks it has room for, as before):
 
-    git worktree add /tmp/greedy HEAD
-    sed -i 's/workers=cfg.rollout.num_workers,/workers=1,/' /tmp/greedy/rl/serving.py
-    .venv/bin/python benchmarks/worker_balance.py --peer /tmp/greedy
+    git worktree add ../agentrl-greedy HEAD
+    sed -i 's/workers=cfg.rollout.num_workers,/workers=1,/' ../agentrl-greedy/rl/run/serving.py
+    .venv/bin/python benchmarks/worker_balance.py --peer ../agentrl-greedy
 
 Reported per run, from metrics.jsonl: the mean of `workers/token_share_min` (the least share of
 the tokens sampled since the last step that one worker sampled: 0.5 is even, 0 is one worker

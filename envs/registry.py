@@ -15,6 +15,7 @@ string), so `make_expert(env_id)` works however the env was registered.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import importlib.metadata
@@ -111,14 +112,11 @@ def unknown_env(env_id: str) -> str:
     """Why `env_id` cannot be made, with the closest registered ids (a registry lookup and
     difflib: nothing is imported)."""
     ours = env_ids()
-    close = difflib.get_close_matches(env_id, ours, n=2) or difflib.get_close_matches(
-        env_id, list(gymnasium.registry), n=2
+    close = difflib.get_close_matches(env_id, ours, n=1) or difflib.get_close_matches(
+        env_id, list(gymnasium.registry), n=1
     )
-    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
-    return (
-        f"no environment {env_id!r} is registered; {hint}known: {', '.join(ours)} "
-        "(`agentrl envs list`; a new env needs env.entry_point)"
-    )
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"no environment {env_id!r} is registered; {hint}known: {', '.join(ours)}"
 
 
 def check_build(env_id: str, kwargs: dict[str, Any]) -> None:
@@ -131,13 +129,9 @@ def check_build(env_id: str, kwargs: dict[str, Any]) -> None:
         text = f"{type(exc).__name__}: {exc}"
         key = next((k for k in kwargs if re.search(rf"\b{re.escape(k)}\b", str(exc))), None)
         shown = f" {key}={kwargs[key]!r}" if key is not None else ""
-        raise RegistrationError(
-            f"{env_id} refused{shown} when built: {text}", key=key
-        ) from None
-    try:
+        raise RegistrationError(f"{env_id} refused{shown} when built: {text}", key=key) from None
+    with contextlib.suppress(Exception):  # closing is not what is checked
         env.close()
-    except Exception:  # closing is not what is checked
-        pass
 
 
 def _target(entry: Any) -> Any:

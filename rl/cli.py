@@ -5,7 +5,7 @@ agentrl train --resume runs/quickstart-YYYYmmdd-HHMMSS [section.key=value ...]
 agentrl check configs/quickstart.yaml [section.key=value ...]   # validate only
 agentrl config schema [--output agentrl.schema.json]             # JSON Schema of a run file
 agentrl config docs [--output docs/run-files.md]                  # every key, as markdown
-agentrl plot runs/quickstart-YYYYmmdd-HHMMSS
+agentrl plot runs/quickstart-YYYYmmdd-HHMMSS [--output PATH]  # default <run>/reward_curve.png
 agentrl monitor runs/quickstart-YYYYmmdd-HHMMSS      # or: --redis URL --run NAME
 agentrl show runs/quickstart-YYYYmmdd-HHMMSS [--id ID | --worst | --best] [--step N] [--list]
 agentrl envs list
@@ -20,13 +20,76 @@ import os
 import sys
 from pathlib import Path
 
-from rl.config.runfile import ConfigError, RunConfig, load_config, run_file_schema
+from rl.config.runfile import (
+    ConfigError,
+    RunConfig,
+    build_config,
+    read_yaml,
+    run_file_data,
+    run_file_schema,
+)
 from rl.observe.trackers import check_installed
 from rl.run.devices import check_devices
+
+RUN_FILES = {"config.yaml", "metrics.jsonl", "trajectories.jsonl", "summary.json"}
+RUN_DIR_FIX = "pass a run directory made by agentrl train, e.g. runs/quickstart-YYYYmmdd-HHMMSS"
+
+
+def run_dir_arg(path: str, needs: str | None = None, key: str = "RUN_DIR") -> Path:
+    """A run directory named on the command line (plot, show, monitor, train --resume), or a
+    ConfigError saying what is wrong with it and what to pass instead."""
+    run_dir = Path(path)
+    if not run_dir.exists():
+        raise ConfigError(key, f"{run_dir} does not exist; {RUN_DIR_FIX}")
+    if not run_dir.is_dir():
+        fix = f"pass its directory, {run_dir.parent}" if run_dir.name in RUN_FILES else RUN_DIR_FIX
+        raise ConfigError(key, f"{run_dir} is a file, not a run directory; {fix}")
+    if needs and not (run_dir / needs).is_file():
+        if (run_dir / "config.yaml").is_file():
+            raise ConfigError(
+                key,
+                f"{run_dir} has no {needs} yet: the run has not written it; try after its "
+                "first step",
+            )
+        raise ConfigError(key, f"{run_dir} is not a run directory (no {needs}); {RUN_DIR_FIX}")
+    return run_dir
+
+
+def output_arg(path: str, default_name: str) -> Path:
+    """Where `--output PATH` asks to write (into PATH when it is a directory), its parent
+    directories created; a ConfigError when they cannot be."""
+    out = Path(path)
+    if out.is_dir():
+        out = out / default_name
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        file = next((p for p in (out.parent, *out.parent.parents) if p.is_file()), None)
+        why = f"{file} is a file" if file is not None else exc.strerror
+        raise ConfigError(
+            "--output", f"cannot create the directory {out.parent}: {why}; pick another path"
+        ) from None
+    return out
+
+
+def _check_env_id(data: dict) -> None:
+    """An unknown `env.id` (no entry point) fails here, before the policy's settings are checked
+    (that imports torch and transformers: seconds), with the closest registered ids."""
+    env = data.get("env")
+    env = env if isinstance(env, dict) else {}
+    env_id = env.get("id")  # (none: the default, a built-in)
+    if env.get("entry_point") is None and isinstance(env_id, str):
+        from envs.registry import RegistrationError, ensure_registered
+
+        try:
+            ensure_registered(env_id)
+        except RegistrationError as exc:
+            raise ConfigError("env.id", str(exc)) from None
 
 
 def _check_env(cfg: RunConfig) -> None:
     import envs
+    from envs.registry import check_build
 
     try:  # an `env.entry_point` is registered under `env.id` here (and in each worker)
         envs.ensure_registered(cfg.env.id, cfg.env.entry_point)
@@ -41,6 +104,11 @@ def _check_env(cfg: RunConfig) -> None:
             envs.check_kwargs(cfg.env.id, {**cfg.env.kwargs, **extra})
         except envs.RegistrationError as exc:
             raise ConfigError(f"{where}.{exc.key}" if exc.key else where, str(exc)) from None
+    for where, extra in stages:  # built once (and closed): values its constructor refuses
+        try:
+            check_build(cfg.env.id, {**cfg.env.kwargs, **extra})
+        except envs.RegistrationError as exc:
+            raise ConfigError(f"{where}.{exc.key}" if exc.key else where, str(exc)) from None
     if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():
         raise ConfigError("policy.path", f"{cfg.policy.path!r} is not a directory")
 
@@ -53,10 +121,12 @@ def load(args) -> RunConfig:
             raise ConfigError(
                 "", "with --resume the run's own config.yaml is used; pass only overrides"
             )
-        args.config = str(Path(args.resume) / "config.yaml")
+        args.config = str(run_dir_arg(args.resume, "config.yaml", "--resume") / "config.yaml")
     elif not args.config:
         raise ConfigError("", "name a run file, e.g. agentrl train configs/quickstart.yaml")
-    cfg = load_config(args.config, args.overrides)
+    data = run_file_data(args.config, args.overrides)
+    _check_env_id(data)
+    cfg = build_config(data)
     _check_env(cfg)
     check_installed(cfg)  # metrics.wandb / metrics.mlflow on without its package
     check_devices(cfg)  # an explicit cuda this machine cannot serve (local Ray)
@@ -117,8 +187,12 @@ def cmd_config(args) -> int:
     else:
         text, what = json.dumps(run_file_schema(), indent=2) + "\n", "the JSON Schema of a run file"
     if args.output:
-        Path(args.output).write_text(text)
-        print(f"wrote {what} to {args.output}")
+        out = output_arg(args.output, "run-files.md" if args.action == "docs" else "schema.json")
+        try:
+            out.write_text(text)
+        except OSError as exc:
+            raise ConfigError("--output", f"cannot write {out}: {exc.strerror}") from None
+        print(f"wrote {what} to {out}")
     else:
         sys.stdout.write(text)
     return 0
@@ -127,13 +201,14 @@ def cmd_config(args) -> int:
 def cmd_plot(args) -> int:
     from rl.observe.plot import plot_run
 
-    print(plot_run(Path(args.run_dir)))
+    run_dir = run_dir_arg(args.run_dir, "metrics.jsonl")
+    out = output_arg(args.output, "reward_curve.png") if args.output else None
+    print(plot_run(run_dir, out))
     return 0
 
 
 def cmd_monitor(args) -> int:
     import redis
-    import yaml
 
     from rl.observe.monitor import JsonlSource, RedisSource, run_monitor
     from rl.observe.monitor_state import MonitorState
@@ -141,13 +216,16 @@ def cmd_monitor(args) -> int:
     if args.redis:
         if not args.run:
             raise ConfigError("--run", "name the run to follow, e.g. --run quickstart-2026...")
-        source = RedisSource(redis.Redis.from_url(args.redis), args.run)
+        try:
+            client = redis.Redis.from_url(args.redis)
+        except ValueError as exc:
+            raise ConfigError("--redis", f"{exc}; e.g. --redis redis://HOST:6379") from None
+        source = RedisSource(client, args.run)
         state, finished = MonitorState(stall_after_s=args.stall_after), lambda: False
     elif args.run_dir:
-        run_dir = Path(args.run_dir)
-        if not (run_dir / "config.yaml").exists():
-            raise ConfigError("RUN_DIR", f"{run_dir} is not a run directory (no config.yaml)")
-        raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        run_dir = run_dir_arg(args.run_dir, "config.yaml")
+        raw = read_yaml(run_dir / "config.yaml", "the run's config")
+        raw = raw if isinstance(raw, dict) else {}
         metrics = raw.get("metrics") or {}
         state = MonitorState(
             total_steps=(raw.get("trainer") or {}).get("steps"),
@@ -159,13 +237,17 @@ def cmd_monitor(args) -> int:
         finished = (run_dir / "summary.json").exists
     else:
         raise ConfigError("", "name a run directory, or --redis URL --run NAME")
-    run_monitor(source, state, finished=finished, once=args.once)
+    try:
+        run_monitor(source, state, finished=finished, once=args.once)
+    except redis.exceptions.ConnectionError as exc:
+        raise ConfigError("--redis", f"cannot reach {args.redis}: {exc}; is Redis up?") from None
     return 0
 
 
 def cmd_show(args) -> int:
     from rl.observe.show import ShowError, run
 
+    run_dir_arg(args.run_dir)
     try:
         return run(args)
     except ShowError as exc:
@@ -183,6 +265,13 @@ def cmd_envs(args) -> int:
     if not args.env_id:
         raise ConfigError("envs check", "name the env to check, e.g. agentrl envs check ID")
     kwargs = dict(parse_overrides(args.kwargs))
+    if ":" not in args.env_id:  # an entry point is registered by the check itself
+        from envs.registry import RegistrationError, ensure_registered
+
+        try:
+            ensure_registered(args.env_id)
+        except RegistrationError as exc:
+            raise ConfigError("envs check", str(exc)) from None
     report = check_tool_env(
         args.env_id, kwargs=kwargs, episodes=args.episodes, long_steps=args.long_steps
     )
@@ -231,6 +320,9 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_config)
     sp = sub.add_parser("plot", help="draw a run's reward curve", parents=[common])
     sp.add_argument("run_dir")
+    sp.add_argument(
+        "--output", metavar="PATH", help="write the PNG here (default: <run>/reward_curve.png)"
+    )
     sp.set_defaults(fn=cmd_plot)
     sp = sub.add_parser("monitor", help="follow a run's metrics live", parents=[common])
     sp.add_argument("run_dir", nargs="?", help="a run directory (live or finished)")

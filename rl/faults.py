@@ -1,18 +1,21 @@
-"""Fault injection for the chaos suite (tests/chaos): each fault sits behind one environment
-variable and does nothing without it. Ray actors inherit the driver's environment, so setting
-the variable for `agentrl train` reaches every worker and the learner.
+"""Fault injection for agentrl's own tests (tests/chaos, the resume tests): each fault fires at
+one fixed point when the run file's `testing.faults` section sets it (FaultsConfig in
+rl/config/sections.py; refused outside pytest, announced by a warning at the start of the run)
+and does nothing otherwise. The config travels to the actors with the rest of the run config.
 
-    AGENTRL_FAULT_NAN_LOSS=2,5,6          the learner's loss is NaN at these steps
-    AGENTRL_FAULT_REWARD_RAISES=K         the reward raises for every episode of a task whose
-                                          seed is a multiple of K, and for the first episode of
-                                          every other group (async runs)
-    AGENTRL_FAULT_KILL_WORKER_ON_PUSH=I:V worker I (its first incarnation) is SIGKILLed when the
-                                          push of version V reaches it
-    AGENTRL_FAULT_DISK_FULL_AT=S          the checkpoint of step S fails with ENOSPC halfway
-                                          through the learner's tensor file
+    nan_loss: [2, 5, 6]          the learner's loss is NaN at these steps
+    reward_raises: K             the reward raises for every episode of a task whose seed is a
+                                 multiple of K, and for the first episode of every other group
+    kill_worker: "I:G"           worker I (its first incarnation; `any`: the first to get there)
+                                 is SIGKILLed after G groups, holding saved live episodes
+    kill_worker_on_push: "I:V"   worker I (its first incarnation) is SIGKILLed when the push of
+                                 version V reaches it
+    kill_learner_at: S           the learner is SIGKILLed when step S begins
+    disk_full_at: S              the checkpoint of step S fails with ENOSPC halfway through the
+                                 learner's tensor file
 
-Two older ones live where they act: AGENTRL_FAULT_KILL_WORKER (rl/run/serving.py) and
-AGENTRL_FAULT_KILL_LEARNER_AT (rl/run/actors.py).
+Every function takes the FaultsConfig (None: no fault). A leaf module: it imports nothing of
+agentrl's at run time.
 """
 
 from __future__ import annotations
@@ -21,16 +24,25 @@ import errno
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rl.config.sections import FaultsConfig
 
 
-def _value(name: str) -> str:
-    return os.environ.get(f"AGENTRL_FAULT_{name}", "")
+def banner(faults: FaultsConfig) -> str | None:
+    """The warning a run with faults prints at its start (None: no fault is set)."""
+    active = faults.active()
+    if not active:
+        return None
+    listed = ", ".join(f"{name}={value}" for name, value in active.items())
+    return f"FAULT INJECTION IS ON (testing.faults, for agentrl's test suite only): {listed}"
 
 
-def nan_loss(step: int) -> bool:
+def nan_loss(faults: FaultsConfig | None, step: int) -> bool:
     """True when the loss of learner step `step` (1-based: the version it will produce) must be
     NaN."""
-    return str(step) in _value("NAN_LOSS").split(",")
+    return faults is not None and step in faults.nan_loss
 
 
 class RaisingReward:
@@ -42,26 +54,45 @@ class RaisingReward:
     def __call__(self, traj):
         seed = traj.task_id.rpartition("#")[2]
         if (seed.isdigit() and int(seed) % self.every == 0) or traj.traj_id.endswith("/0"):
-            raise RuntimeError("injected reward failure (AGENTRL_FAULT_REWARD_RAISES)")
+            raise RuntimeError("injected reward failure (testing.faults.reward_raises)")
         return self.scorer(traj)
 
 
-def reward(scorer):
-    """`scorer`, or a RaisingReward around it when AGENTRL_FAULT_REWARD_RAISES is set."""
-    every = _value("REWARD_RAISES")
-    return RaisingReward(scorer, int(every)) if every else scorer
+def reward(scorer, faults: FaultsConfig | None):
+    """`scorer`, or a RaisingReward around it when testing.faults.reward_raises is set."""
+    every = faults.reward_raises if faults is not None else None
+    return RaisingReward(scorer, every) if every else scorer
 
 
-def kill_on_push(index: int, starts: int, version: int) -> None:
+def kill_worker(faults: FaultsConfig | None, index: int, starts: int) -> tuple[int, bool] | None:
+    """(groups, any) when worker `index` (incarnation `starts`) may be the one killed
+    mid-episode after `groups` groups (`any`: the first worker to get there; rl/run/serving.py
+    picks it with a Redis SET NX), else None."""
+    if faults is None or not faults.kill_worker or starts != 1:
+        return None
+    who, _, groups = faults.kill_worker.partition(":")
+    if who not in (str(index), "any"):
+        return None
+    return int(groups or 1), who == "any"
+
+
+def kill_on_push(faults: FaultsConfig | None, index: int, starts: int, version: int) -> None:
     """SIGKILL this worker process when the chosen push reaches the chosen worker."""
-    if starts == 1 and _value("KILL_WORKER_ON_PUSH") == f"{index}:{version}":
+    chosen = faults.kill_worker_on_push if faults is not None else None
+    if starts == 1 and chosen == f"{index}:{version}":
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def disk_full(directory: Path, step: int, rank: int) -> None:
+def kill_learner(faults: FaultsConfig | None, step: int) -> None:
+    """SIGKILL this learner process when step `step` (1-based) is the chosen one."""
+    if faults is not None and faults.kill_learner_at == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def disk_full(faults: FaultsConfig | None, directory: Path, step: int, rank: int) -> None:
     """At the chosen step, cut this rank's freshly written tensor file in half and raise ENOSPC,
     as a disk that filled up during the write would."""
-    if _value("DISK_FULL_AT") != str(step):
+    if faults is None or faults.disk_full_at != step:
         return
     shards = sorted((Path(directory) / "learner").glob(f"shard-{rank + 1:05d}-*.safetensors"))
     path = shards[0]  # this rank's weights and optimizer state (rl/learner/state.py, DCP)

@@ -31,7 +31,7 @@ name). `RunKeys(run_id)` names each of them; product code asks it instead of bui
                                      mode, rl/run/async_loop.py) -> the workers' staleness gate
     :starts:worker-<index>   string  rollout worker <index>: INCR at each start
                                      (rl/run/actors.py WorkerHost) -> the same (its incarnation)
-    :fault:killed-worker     string  fault injection (AGENTRL_FAULT_KILL_WORKER=any): SET NX by
+    :fault:killed-worker     string  fault injection (testing.faults.kill_worker any): SET NX by
                                      the worker chosen to be killed (rl/run/serving.py) -> the
                                      other workers
 
@@ -109,5 +109,5 @@ class RunKeys:
 
     @property
     def killed_worker(self) -> str:
-        """Fault injection (AGENTRL_FAULT_KILL_WORKER=any): the worker chosen to be killed."""
+        """Fault injection (testing.faults.kill_worker any): the worker chosen to be killed."""
         return self._key("fault", "killed-worker")

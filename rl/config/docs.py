@@ -112,9 +112,13 @@ def run_file_reference() -> str:
         listed = typing.get_origin(field.annotation) is list
         title = f"`{key}:` (a list; each item:)" if listed else f"`{key}:`"
         doc = " ".join(((field.description or model.__doc__) or "").split())
+        prefix = f"{key}[].".replace("[].", "[i].") if listed else f"{key}."
+        rows = _rows(model, prefix, sections)
+        if not rows:  # only sections under it (testing:): no empty table
+            parts.append(f"## {title}\n\n{doc}\n")
+            continue
         parts.append(
             f"## {title}\n\n{doc}\n\n| key | type | default | meaning |\n|---|---|---|---|"
         )
-        prefix = f"{key}[].".replace("[].", "[i].") if listed else f"{key}."
-        parts.append("\n".join(_rows(model, prefix, sections)) + "\n")
+        parts.append("\n".join(rows) + "\n")
     return "\n".join(parts)

@@ -10,6 +10,7 @@ with a ConfigError naming the key.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from rl.config.sections import (
     CheckpointConfig,
     EnvConfig,
     EvalConfig,
+    FaultsConfig,
     MetricsConfig,
     Name,
     PolicyConfig,
@@ -33,6 +35,7 @@ from rl.config.sections import (
     Section,
     SFTConfig,
     StageConfig,
+    TestingConfig,
     WeightsConfig,
 )
 from rl.config.trainer import Aggregation, Algorithm, TrainerConfig
@@ -44,6 +47,7 @@ __all__ = [
     "ConfigError",
     "EnvConfig",
     "EvalConfig",
+    "FaultsConfig",
     "MetricsConfig",
     "PolicyConfig",
     "RayConfig",
@@ -53,6 +57,7 @@ __all__ = [
     "RunConfig",
     "SFTConfig",
     "StageConfig",
+    "TestingConfig",
     "TrainerConfig",
     "WeightsConfig",
     "build_config",
@@ -119,6 +124,25 @@ class RunConfig(Section):
     curriculum: list[StageConfig] = Field(default_factory=list)
     """A context curriculum: stages run in order, each with its own max_seq_len, turns and env
     settings; a checkpoint at every stage's end (rl/run/curriculum.py). Empty: no curriculum."""
+    testing: TestingConfig = Field(default_factory=TestingConfig)
+
+    @model_validator(mode="after")
+    def _faults_only_under_pytest(self) -> RunConfig:
+        faults = self.testing.faults
+        if faults.active() and "PYTEST_CURRENT_TEST" not in os.environ:  # pytest's own marker
+            raise ConfigError(
+                "testing.faults",
+                "fault injection is for agentrl's own test suite (pytest); remove the testing "
+                f"section from the run file (set: {', '.join(faults.active())})",
+            )
+        for key in ("kill_worker", "kill_worker_on_push"):
+            index = (getattr(faults, key) or "any").partition(":")[0]
+            if index != "any" and int(index) >= self.rollout.num_workers:
+                raise ConfigError(
+                    f"testing.faults.{key}",
+                    f"names worker {index}, but rollout.num_workers is {self.rollout.num_workers}",
+                )
+        return self
 
     @model_validator(mode="after")
     def _lengths_fit_the_policy(self) -> RunConfig:
@@ -245,7 +269,8 @@ def read_text(path: str | Path, what: str = "run file") -> str:
     path = Path(path)
     if path.is_dir():
         hint = (
-            f"; to continue that run: agentrl train --resume {path}"
+            f"; its run file is {path / 'config.yaml'} (to continue the run: agentrl train "
+            f"--resume {path})"
             if (path / "config.yaml").is_file()
             else ""
         )
@@ -272,13 +297,17 @@ def read_yaml(path: str | Path, what: str = "run file") -> Any:
     try:
         return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
-        problem = ": ".join(p for p in parts if p) or str(exc).splitlines()[0]
-        raise ConfigError(
-            "", f"{path} is not valid YAML{where}: {problem}; fix the syntax there"
-        ) from None
+        problem = _yaml_place(getattr(exc, "problem", None), getattr(exc, "problem_mark", None))
+        context = _yaml_place(getattr(exc, "context", None), getattr(exc, "context_mark", None))
+        what = problem or str(exc).splitlines()[0]
+        if context:
+            what = f"{what} ({context})" if problem else context
+        raise ConfigError("", f"{path} is not valid YAML: {what}; fix the syntax there") from None
+
+
+def _yaml_place(text: str | None, mark: Any) -> str:
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{text}{where}" if text else ""
 
 
 def run_file_data(path: str | Path | None, overrides: list[str] = ()) -> dict:

@@ -12,7 +12,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from rl.config.errors import ConfigError, config_error
 from rl.config.resources import Resources, ask, fold_cpus
@@ -367,3 +375,58 @@ class StageConfig(Section):
     """rollout.max_new_tokens during the stage (null: the run's)."""
     env_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Merged over env.kwargs during the stage (e.g. longer documents, more hops)."""
+
+
+_WORKER = 'use "<worker index>:<groups>" or "any:<groups>" (e.g. "0:2", "any:0")'
+_PUSH = 'use "<worker index>:<version>" (e.g. "1:2")'
+
+
+def _pair(pattern: str, form: str):
+    """A validator of "A:B" strings. YAML 1.1 reads an unquoted 1:2 as the number 62: refused
+    with the fix."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            raise ValueError(f"write it quoted (YAML reads 1:2 as a number); {form}")
+        if isinstance(value, str) and not re.fullmatch(pattern, value):
+            raise ValueError(f"{form}; got {value!r}")
+        return value
+
+    return check
+
+
+class FaultsConfig(Section):
+    """Fault injection for agentrl's own chaos and resume tests (tests/chaos, rl/faults.py): each
+    fault fires at one fixed point of the run. Refused outside pytest, with a warning banner at
+    the start of a run; never written to the run's config.yaml (a `--resume` runs without
+    them). Empty: no fault."""
+
+    nan_loss: list[Positive] = Field(default_factory=list)
+    """Learner steps (1-based: the version the step produces) whose loss is NaN."""
+    reward_raises: Positive | None = None
+    """K: the reward raises for every episode of a task whose seed is a multiple of K, and for
+    the first episode of every other group."""
+    kill_worker: Annotated[str | None, BeforeValidator(_pair(r"(\d+|any)(:\d+)?", _WORKER))] = None
+    """`"I:G"`: SIGKILL rollout worker I (its first incarnation, async mode) once it has
+    finished G groups (`"I"`: 1) and saved its live episodes to Redis; `"any:G"`: the first
+    worker to get there. Quote it (YAML reads 1:2 as a number)."""
+    kill_worker_on_push: Annotated[str | None, BeforeValidator(_pair(r"\d+:\d+", _PUSH))] = None
+    """`"I:V"`: SIGKILL rollout worker I (its first incarnation) when the weight push of policy
+    version V reaches it. Quote it (YAML reads 1:2 as a number)."""
+    kill_learner_at: Positive | None = None
+    """SIGKILL the learner when this step begins (its rollouts are already in the stream)."""
+    disk_full_at: Positive | None = None
+    """The checkpoint of this step fails with ENOSPC after cutting the learner's tensor file in
+    half, as a disk that filled up during the write would."""
+
+    def active(self) -> dict[str, Any]:
+        """The faults that are set, by name (empty: fault injection is off)."""
+        return {k: v for k, v in self.model_dump().items() if v not in (None, [])}
+
+
+class TestingConfig(Section):
+    """Settings for agentrl's own test suite only; a run file for real training has none."""
+
+    __test__ = False  # not a pytest test class
+
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)

@@ -22,7 +22,7 @@ import torch
 
 from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
 from rl import faults
-from rl.config.runfile import ConfigError, TrainerConfig
+from rl.config.runfile import ConfigError, FaultsConfig, TrainerConfig
 from rl.learner.advantages import gae
 from rl.learner.algorithms import algorithm_for
 from rl.learner.batch import TrainBatch, pack, spread_turn_values
@@ -72,8 +72,10 @@ class Learner:
         temperature: float,
         seed: int = 0,
         shard: Shard | None = None,
+        faults: FaultsConfig | None = None,
     ):
         self.cfg, self.source, self.shard = cfg, source, shard or Shard()
+        self.faults = faults  # the run file's testing.faults (rl/faults.py); None: none
         self.algo = algorithm_for(cfg)
         self.pad_token_id, self.temperature = pad_token_id, temperature
         self.reference = None
@@ -356,7 +358,7 @@ class Learner:
                 ref_logp_BT=None if prep.ref_logp_NT is None else prep.ref_logp_NT[index, :width],
                 entropy_BT=entropy,
             )
-            if faults.nan_loss(self.version + 1):  # AGENTRL_FAULT_NAN_LOSS (rl/faults.py)
+            if faults.nan_loss(self.faults, self.version + 1):  # testing.faults (rl/faults.py)
                 loss = loss * float("nan")
             if self.algo.critic:
                 v_loss = value_loss(

@@ -15,7 +15,8 @@ loss is computed in float32, whatever the model's dtype, as the learner does.
 Not covered: kl_coef / kl_estimator, entropy_coef, off_policy tis / decoupled (tis_cap),
 ppo_epochs > 1, mini_batch_size (several optimizer steps), the other algorithms (dr_grpo,
 dapo, gspo, cispo, ppo) and loss_aggregation overrides, micro-batches (the sum is the same),
-autocast, segment_tokens, MoE routing replay and expert balancing, several ranks (FSDP2).
+autocast, segment_tokens, MoE routing replay and expert balancing, several ranks (FSDP2), and
+the bookkeeping around the step (stream, ledger, duplicates, metrics, policy version).
 Letters: S = samples of a group, N = trajectories, T = target positions, V = vocabulary.
 """
 
@@ -46,13 +47,16 @@ def grpo_step(
     max_grad_norm: float = 1.0,
     pad_token_id: int = 0,
 ) -> dict[str, float]:
-    """One optimizer step of `model` (a transformers causal LM, eval mode) on `groups`."""
+    """One optimizer step of `model` (a transformers causal LM, eval mode) on `groups`, which
+    must hold a trainable trajectory. The learner's optimizer is AdamW(model.parameters(),
+    lr=trainer.lr, weight_decay=trainer.weight_decay); `max_grad_norm` is trainer.max_grad_norm."""
     rows = []  # (trajectory, its advantage), trainable trajectories only
     for group in groups:
         trajs = [t for t in group.trajectories if t.trainable]
         rewards_S = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
         rows += zip(trajs, group_advantages(rewards_S).tolist(), strict=True)
-    # Pack, right-padded. Target position t is token t + 1 (what tokens <= t predict).
+    # Pack, right-padded (so the model's default positions are right). Target position t is
+    # token t + 1, what tokens <= t predict.
     N, T = len(rows), max(len(t.token_ids) for t, _ in rows)
     ids_NT = torch.full((N, T), pad_token_id, dtype=torch.long)
     attn_NT = torch.zeros((N, T), dtype=torch.long)

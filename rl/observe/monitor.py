@@ -20,7 +20,6 @@ import termios
 import time
 import tty
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +67,6 @@ class RedisSource:
         return out
 
 
-@dataclass
 class Keys:
     """Single key presses from a terminal (cbreak mode, restored on exit); none otherwise."""
 

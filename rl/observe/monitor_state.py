@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from rl.observe.metrics import CollapseDetector
 
 PANELS = ("overview", "evals", "envs & tools", "async & weights", "moe", "workers & alarms")
-MAX_POINTS = 2048  # buckets a curve keeps at most (a terminal is ~200 columns: plenty to downsample)
+MAX_POINTS = 2048  # buckets a curve keeps at most (a terminal row is ~200 columns)
 EMA_ALPHA = 0.3  # the smoothing of the curves, per step
 
 
@@ -52,23 +52,34 @@ class Curve:
         self.last = value
         if not math.isfinite(value):
             return
-        ema = value if self.smoothed is None else self.alpha * value + (1 - self.alpha) * self.smoothed
-        self.smoothed = ema
+        old = self.smoothed
+        self.smoothed = ema = value if old is None else self.alpha * value + (1 - self.alpha) * old
         if not self.points:
             self.lo_step = self.hi_step = step
-        self.lo_step, self.hi_step = min(self.lo_step, step), max(self.hi_step, step)
+        elif step < self.lo_step:
+            self.lo_step = step
+        elif step > self.hi_step:
+            self.hi_step = step
         self.points += 1
-        if self.count and self.count[-1] < self.per:
+        count = self.count
+        if count and count[-1] < self.per:
             self.final[-1] = step
-            self.count[-1] += 1
+            count[-1] += 1
             self.total[-1] += value
             self.smooth[-1] += ema
-            self.low[-1] = min(self.low[-1], value)
-            self.high[-1] = max(self.high[-1], value)
+            if value < self.low[-1]:
+                self.low[-1] = value
+            if value > self.high[-1]:
+                self.high[-1] = value
             return
-        for name, v in zip(self.FIELDS, (step, step, 1, value, value, value, ema), strict=True):
-            getattr(self, name).append(v)
-        if len(self.count) > self.cap:
+        self.first.append(step)
+        self.final.append(step)
+        count.append(1)
+        self.total.append(value)
+        self.low.append(value)
+        self.high.append(value)
+        self.smooth.append(ema)
+        if len(count) > self.cap:
             self._halve()
 
     def _halve(self) -> None:
@@ -157,13 +168,15 @@ class MonitorState:
         self.train_records += 1
         step = record.get("step")
         at = step if isinstance(step, int | float) else self.train_records
+        seen, curves = (self.train_records, record), self.curves
         for key, value in record.items():
-            self.newest[key] = (self.train_records, record)
-            if key in ("step", "time") or not isinstance(value, int | float):
+            self.newest[key] = seen
+            if not isinstance(value, int | float) or key in ("step", "time"):
                 continue
-            if key not in self.curves:
-                self.curves[key] = Curve(self.max_points)
-            self.curves[key].add(at, value)
+            curve = curves.get(key)
+            if curve is None:
+                curve = curves[key] = Curve(self.max_points)
+            curve.add(at, value)
         bad = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))
         if bad:
             self._alarm(f"NaN/inf at step {step}: {', '.join(bad[:4])}")

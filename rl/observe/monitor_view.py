@@ -5,24 +5,116 @@ from __future__ import annotations
 
 import math
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 from rl.observe.metrics import eval_values
-from rl.observe.monitor_state import PANELS, MonitorState, ema
+from rl.observe.monitor_state import EMA_ALPHA, PANELS, Curve, MonitorState
 
 BARS = "▁▂▃▄▅▆▇█"
+TRAIN = f"whole run; EMA {EMA_ALPHA} per step, averaged per column"
 
 
-def sparkline(values: list[float], width: int = 24) -> str:
-    values = [v for v in values[-width:] if math.isfinite(v)]
-    if not values:
-        return ""
-    low, high = min(values), max(values)
-    span = (high - low) or 1.0
-    return "".join(BARS[min(int((v - low) / span * len(BARS)), len(BARS) - 1)] for v in values)
+def sparkline(values: list[float | None], low: float, high: float) -> str:
+    """One bar a value, from `low` (▁) to `high` (█); a blank where a value is None. A range
+    within rounding of a constant (the means of a constant) is flat."""
+    span = high - low
+    if span <= 1e-9 * max(abs(low), abs(high)) or span == 0:
+        span = math.inf
+    top = len(BARS) - 1
+    return "".join(
+        " " if v is None else BARS[max(0, min(int((v - low) / span * len(BARS)), top))]
+        for v in values
+    )
+
+
+class Chart:
+    """The curves of one table drawn as sparklines on a shared step axis, as wide as their column:
+    a row is `min ▁▃▅▇ max` (each column of bars the mean EMA of its steps, scaled from the row's
+    min to its max), and the column's header is the axis, `min first ── steps ── last max`. Rich
+    gives the header and every row the same width, so the layout is computed once per width."""
+
+    def __init__(self, curves: list[tuple[Curve | None, str]], min_bars: int = 8):
+        self.curves = [(c if c is not None and c.points else None, spec) for c, spec in curves]
+        drawn = [c for c, _ in self.curves if c is not None]
+        self.lo = min((c.lo_step for c in drawn), default=0.0)
+        self.hi = max((c.hi_step for c in drawn), default=0.0)
+        self.min_bars = min_bars
+        self._layouts: dict[int, tuple] = {}
+
+    def _labels(self, bars: int) -> list[tuple[str, str, str] | None]:
+        rows: list[tuple[str, str, str] | None] = []
+        for curve, spec in self.curves:
+            if curve is None:
+                rows.append(None)
+                continue
+            means = [c and c["smooth"] for c in curve.columns(bars, self.lo, self.hi)]
+            low = min(m for m in means if m is not None)
+            high = max(m for m in means if m is not None)
+            rows.append((format(low, spec), sparkline(means, low, high), format(high, spec)))
+        return rows
+
+    def layout(self, width: int) -> tuple[int, int, list[tuple[str, str, str] | None]]:
+        """(the width of the min labels, the bars drawn, each row's min, bars and max)."""
+        if width not in self._layouts:
+            steps = int(self.hi - self.lo + 1)
+            side = 3  # "min", "max": the labels are as wide at least
+            for curve, spec in self.curves:
+                if curve is not None:  # the means lie between the extremes: as wide, mostly
+                    for v in (min(curve.low), max(curve.high)):
+                        side = max(side, len(format(v, spec)))
+            bars = max(1, min(steps, width - 2 * side - 2))
+            rows = self._labels(bars)
+            side = max([side, *(len(r[0]) for r in rows if r)])
+            self._layouts[width] = (side, bars, rows)
+        return self._layouts[width]
+
+    def measure(self, most: int) -> Measurement:
+        side, _, _ = self.layout(most)
+        steps = int(self.hi - self.lo + 1)
+        return Measurement(2 * side + 2 + self.min_bars, 2 * side + 2 + max(steps, self.min_bars))
+
+    def axis(self) -> ChartCell:
+        return ChartCell(self, None)
+
+    def row(self, index: int) -> ChartCell:
+        return ChartCell(self, index)
+
+
+class ChartCell:
+    """One row of a `Chart` (or, for `index` None, its axis)."""
+
+    def __init__(self, chart: Chart, index: int | None):
+        self.chart, self.index = chart, index
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return self.chart.measure(options.max_width)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        side, bars, rows = self.chart.layout(options.max_width)
+        if self.index is None and not any(rows):
+            yield Text("curve", style="dim")
+        elif self.index is None:
+            yield Text(f"{'min':>{side}} {self._axis(bars)} max", no_wrap=True, style="dim")
+        elif rows[self.index] is None:
+            yield Text(f"{'-':>{side}}")
+        else:
+            low, line, high = rows[self.index]
+            yield Text(f"{low:>{side}} {line:<{bars}} {high}", no_wrap=True)
+
+    def _axis(self, bars: int) -> str:
+        """`first ── steps (n a column) ── last` in `bars` characters (more if they are few)."""
+        first, last = f"{self.chart.lo:.0f}", f"{self.chart.hi:.0f}"
+        room = bars - len(first) - len(last)
+        per = (self.chart.hi - self.chart.lo + 1) / bars
+        for middle in (f" steps, {per:.3g} a column ", " steps ", ""):
+            if len(middle) + 4 <= room:
+                dashes = room - len(middle) - 2
+                return f"{first} {'─' * (dashes // 2)}{middle}{'─' * (dashes - dashes // 2)} {last}"
+        return f"{first}{'─' * max(1, room)}{last}"
 
 
 def _fmt(value: object, spec: str = ".3g") -> str:
@@ -31,22 +123,19 @@ def _fmt(value: object, spec: str = ".3g") -> str:
     return "-" if value is None else str(value)
 
 
-def _curve(state: MonitorState, key: str, label: str, spec: str = ".2f") -> list[str]:
-    raw = state.series(key)
-    if not raw:
-        return [label, "", "-", "-"]
-    smooth = ema(raw)
-    return [label, sparkline(smooth), format(raw[-1], spec), format(smooth[-1], spec)]
-
-
 def _curves(state: MonitorState, rows: list[tuple[str, str, str]], title: str) -> Table:
-    table = Table(title=title, expand=True)
+    curves = [state.curve(key) for key, _, _ in rows]
+    chart = Chart([(curve, spec) for curve, (_, _, spec) in zip(curves, rows, strict=True)])
+    table = Table(title=f"{title} ({TRAIN})", expand=True)
     table.add_column("", no_wrap=True, min_width=14)
-    table.add_column("curve (EMA 0.3, last 24 steps)", no_wrap=True, min_width=24)
+    table.add_column(chart.axis(), no_wrap=True, ratio=1)
     table.add_column("last", no_wrap=True, min_width=7, justify="right")
     table.add_column("smoothed", no_wrap=True, min_width=8, justify="right")
-    for key, label, spec in rows:
-        table.add_row(*_curve(state, key, label, spec))
+    for i, ((_, label, spec), curve) in enumerate(zip(rows, curves, strict=True)):
+        if curve is None or curve.last is None:
+            table.add_row(label, chart.row(i), "-", "-")
+            continue
+        table.add_row(label, chart.row(i), format(curve.last, spec), _fmt(curve.smoothed, spec))
     return table
 
 
@@ -98,21 +187,29 @@ def evals(state: MonitorState, last_only: bool = False) -> Table:
 
 def envs_tools(state: MonitorState) -> RenderableType:
     last = state.latest(having="rollout/success_rate")
-    per_env = Table(title="per env", expand=True)
-    for name in ("env", "success", "curve"):
-        per_env.add_column(name)
-    for key in sorted(k for k in last if k.startswith("env/") and k.endswith("/success_rate")):
+    envs = sorted(k for k in last if k.startswith("env/") and k.endswith("/success_rate"))
+    chart = Chart([(state.curve(key), ".0%") for key in envs])
+    per_env = Table(title=f"per env ({TRAIN})", expand=True)
+    per_env.add_column("env")
+    per_env.add_column("success")
+    per_env.add_column(chart.axis(), no_wrap=True, ratio=1)
+    for i, key in enumerate(envs):
         name = key.removeprefix("env/").removesuffix("/success_rate")
-        per_env.add_row(name, _fmt(last[key], ".0%"), sparkline(ema(state.series(key))))
-    tools = Table(title=f"per tool (step {last.get('step', '-')})", expand=True)
-    for name in ("tool", "calls", "failure rate", "failure curve"):
+        per_env.add_row(name, _fmt(last[key], ".0%"), chart.row(i))
+    names = sorted(
+        k.removeprefix("tools/").removesuffix("/calls")
+        for k in last
+        if k.startswith("tools/") and k.endswith("/calls")
+    )
+    rates = [f"tools/{name}/failure_rate" for name in names]
+    chart = Chart([(state.curve(rate), ".0%") for rate in rates])
+    tools = Table(title=f"per tool (step {last.get('step', '-')}; failure curves)", expand=True)
+    for name in ("tool", "calls", "failure rate"):
         tools.add_column(name)
-    for key in sorted(k for k in last if k.startswith("tools/") and k.endswith("/calls")):
-        name = key.removeprefix("tools/").removesuffix("/calls")
-        rate = f"tools/{name}/failure_rate"
-        tools.add_row(
-            name, _fmt(last[key], ".0f"), _fmt(last.get(rate), ".0%"), sparkline(state.series(rate))
-        )
+    tools.add_column(chart.axis(), no_wrap=True, ratio=1)
+    for i, (name, rate) in enumerate(zip(names, rates, strict=True)):
+        calls = last[f"tools/{name}/calls"]
+        tools.add_row(name, _fmt(calls, ".0f"), _fmt(last.get(rate), ".0%"), chart.row(i))
     counts = Text(
         f"parse errors {_fmt(last.get('rollout/parse_errors'), '.0f')}   env errors "
         f"{_fmt(last.get('rollout/env_errors'), '.0f')}   grader errors "

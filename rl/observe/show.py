@@ -164,6 +164,11 @@ def run(args, console: Console | None = None) -> int:
         records = read(run_dir)
     except (OSError, json.JSONDecodeError) as exc:
         raise ShowError(f"cannot read {run_dir / FILE}: {exc}") from None
+    if not records and not (run_dir / FILE).exists() and not (run_dir / "config.yaml").exists():
+        raise ShowError(
+            f"{run_dir} is not a run directory (no config.yaml, no {FILE}); pass one made by "
+            "agentrl train, e.g. runs/quickstart-YYYYmmdd-HHMMSS"
+        )
     if not records:
         raise ShowError(
             f"{run_dir / FILE} is missing or empty: the run recorded no trajectories "

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 from pathlib import Path
 
@@ -136,7 +135,7 @@ class WorkerHost:
         return self.worker.evaluate(seeds, samples, sampling)
 
     def receive_object_store(self, manifest: Manifest, refs: list) -> int:
-        faults.kill_on_push(self.index, self.starts, manifest.version)
+        faults.kill_on_push(self.cfg.testing.faults, self.index, self.starts, manifest.version)
         return self.receiver.receive_object_store(manifest, refs)
 
     def join_broadcast(
@@ -145,7 +144,7 @@ class WorkerHost:
         self.receiver.join(address, port, rank, world, timeout_s)
 
     def receive_broadcast(self, manifest: Manifest) -> int:
-        faults.kill_on_push(self.index, self.starts, manifest.version)
+        faults.kill_on_push(self.cfg.testing.faults, self.index, self.starts, manifest.version)
         return self.receiver.receive_broadcast(manifest)
 
     def version(self) -> int:
@@ -197,10 +196,9 @@ class LearnerHost:
         return os.getpid()
 
     def step(self) -> dict[str, float]:
-        # Fault injection for the resume tests: AGENTRL_FAULT_KILL_LEARNER_AT=<step> SIGKILLs this
+        # Fault injection for the resume tests: testing.faults.kill_learner_at SIGKILLs this
         # process when that step begins (its rollouts are already in the stream).
-        if os.environ.get("AGENTRL_FAULT_KILL_LEARNER_AT") == str(self.learner.version + 1):
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.kill_learner(self.args[0].testing.faults, self.learner.version + 1)
         pending = self._fan_out("step")
         metrics = self.learner.step()
         ray.get(pending)
@@ -243,7 +241,9 @@ class LearnerHost:
     def save_checkpoint(self, path: str) -> str:
         pending = self._fan_out("save_checkpoint", path)
         self.learner.save(Path(path))
-        faults.disk_full(Path(path), self.learner.version, self.shard.rank)
+        faults.disk_full(
+            self.args[0].testing.faults, Path(path), self.learner.version, self.shard.rank
+        )
         ray.get(pending)
         return self.learner.last_acked
 

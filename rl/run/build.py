@@ -92,7 +92,7 @@ def build_worker(
         env_id=cfg.env.id,
         policy=policy,
         renderer=renderer,
-        scorer=faults.reward(build_reward(cfg.reward.weights())),  # rl/faults.py
+        scorer=faults.reward(build_reward(cfg.reward.weights()), cfg.testing.faults),
         sink=sink,
         limits=EpisodeLimits(max_turns=cfg.rollout.max_turns, max_seq_len=cfg.rollout.max_seq_len),
         max_episodes=cfg.rollout.max_episodes,
@@ -158,4 +158,5 @@ def build_learner(
         temperature=cfg.rollout.temperature,
         seed=cfg.seed,
         shard=shard,
+        faults=cfg.testing.faults,
     )

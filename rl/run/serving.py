@@ -15,6 +15,7 @@ import time
 import redis
 
 from policy.sampling import SamplingParams
+from rl import faults
 from rl.run.launch import connect
 from rollout.agent import AgentLoop
 from rollout.keys import RunKeys
@@ -48,10 +49,10 @@ def serve_worker(host, params: SamplingParams) -> None:
     )
     gate = StalenessGate(client, keys, cfg.trainer, loop.session)
     stop = host.stop_event.is_set
-    who, _, groups = os.environ.get("AGENTRL_FAULT_KILL_WORKER", "").partition(":")
-    if who in (str(host.index), "any") and host.starts == 1:
-        chosen = keys.killed_worker if who == "any" else None
-        stop = _killer(host, int(groups or 1), client, chosen)
+    kill = faults.kill_worker(cfg.testing.faults, host.index, host.starts)
+    if kill is not None:
+        groups, anyone = kill
+        stop = _killer(host, groups, client, keys.killed_worker if anyone else None)
     host.rollouts.run(
         params,
         should_stop=stop,
@@ -62,7 +63,7 @@ def serve_worker(host, params: SamplingParams) -> None:
 
 
 def _killer(host, groups: int, client, chosen: str | None):
-    """Fault injection for the worker-crash tests: AGENTRL_FAULT_KILL_WORKER=<index>:<groups>
+    """Fault injection for the worker-crash tests: testing.faults.kill_worker="<index>:<groups>"
     SIGKILLs worker <index> (its first incarnation) once it has finished <groups> groups and
     holds an unfinished episode saved to Redis (so the crash is mid-episode): it saves its live
     episodes first, as a turn boundary or a spent token budget would, whether or not one came.

@@ -15,6 +15,7 @@ from pathlib import Path
 import ray
 import yaml
 
+from rl import faults
 from rl.config.runfile import RunConfig
 from rl.learner import ledger
 from rl.observe import trajlog
@@ -51,7 +52,10 @@ def make_run_dir(cfg: RunConfig) -> Path:
         suffix += 1
         run_dir = Path(cfg.output_dir) / f"{cfg.name}-{stamp}-{suffix}"
     run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    # injected faults (testing) hold for one invocation: a --resume must not repeat the fault
+    # that stopped the run
+    settings = cfg.model_dump(exclude={"testing"})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     return run_dir
 
 
@@ -65,6 +69,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
         cfg = resolved_devices(cfg)
         check_cluster(cfg)  # before any work: a request the cluster cannot meet fails now
         say(f"run directory: {run_dir}")
+        if (banner := faults.banner(cfg.testing.faults)) is not None:
+            logger.warning(banner)  # a test run: loud, before anything else happens
         checkpoint, state = load_latest(run_dir, rng=resume.rng) if resume else (None, None)
         sft_report: dict[str, float] = {}
         if state is None:

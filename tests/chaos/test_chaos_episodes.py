@@ -54,11 +54,11 @@ def test_a_tool_that_hangs_forever(tmp_path, stopping_policy):
 
 
 def test_a_reward_function_that_raises(tmp_path):
-    """AGENTRL_FAULT_REWARD_RAISES=3: the reward raises for every episode of a task whose seed
+    """testing.faults.reward_raises=3: the reward raises for every episode of a task whose seed
     is a multiple of 3 (its group fails: nothing to train) and for the first episode of every
     other group (marked grader_error and excluded; the group trains on the other three)."""
     steps = 4
-    proc = train([CONFIG, *overrides(tmp_path, steps)], env={"AGENTRL_FAULT_REWARD_RAISES": "3"})
+    proc = train([CONFIG, *overrides(tmp_path, steps), "testing.faults.reward_raises=3"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     run_dir = run_dir_of(tmp_path)
     records = metrics(run_dir)

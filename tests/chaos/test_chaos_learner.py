@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 def test_a_nan_loss_is_skipped_and_k_in_a_row_stop_the_run(tmp_path):
     """NaN loss at step 2 (skipped, counted, the run goes on), then at steps 5, 6 and 7: the
     third in a row stops the run (trainer.max_skipped_steps=3) with a message naming them."""
-    proc = train([CONFIG, *overrides(tmp_path, steps=8)], env={"AGENTRL_FAULT_NAN_LOSS": "2,5,6,7"})
+    proc = train([CONFIG, *overrides(tmp_path, steps=8), "testing.faults.nan_loss=[2,5,6,7]"])
     assert proc.returncode == 1, proc.stdout[-4000:]
+    assert "FAULT INJECTION IS ON" in proc.stdout and "nan_loss=[2, 5, 6, 7]" in proc.stdout
     assert "skipped 3 steps in a row (steps 5 to 7)" in proc.stdout, proc.stdout[-4000:]
     assert "Traceback" not in proc.stdout
     run_dir = run_dir_of(tmp_path)
@@ -40,7 +41,7 @@ def test_a_sigkilled_learner_stops_the_run_and_resume_loses_nothing(tmp_path):
     """Only the learner actor's process is SIGKILLed (when step 5 begins; checkpoint at 3):
     the run stops at once with a message naming the learner; --resume trains steps 4 to 6."""
     steps = 6
-    proc = train([CONFIG, *overrides(tmp_path, steps)], env={"AGENTRL_FAULT_KILL_LEARNER_AT": "5"})
+    proc = train([CONFIG, *overrides(tmp_path, steps), "testing.faults.kill_learner_at=5"])
     assert proc.returncode == 1, proc.stdout[-4000:]
     assert "agentrl: the learner (process" in proc.stdout and "died" in proc.stdout
     assert "Traceback" not in proc.stdout
@@ -51,6 +52,7 @@ def test_a_sigkilled_learner_stops_the_run_and_resume_loses_nothing(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert "resumed from step-000003" in resumed.stdout
     assert "will be trained (none is lost)" in resumed.stdout
+    assert "FAULT INJECTION" not in resumed.stdout  # faults are not in the run's config.yaml
     check_books(account(run_dir), steps, "SIGKILL the learner, resume")
 
 
@@ -59,7 +61,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path):
     the run stops with a message saying so, step-000003 stays the latest and verifies, the
     half-written staging directory is never loaded, and --resume redoes steps 4 to 6."""
     steps = 6
-    proc = train([CONFIG, *overrides(tmp_path, steps)], env={"AGENTRL_FAULT_DISK_FULL_AT": "6"})
+    proc = train([CONFIG, *overrides(tmp_path, steps), "testing.faults.disk_full_at=6"])
     assert proc.returncode == 1, proc.stdout[-4000:]
     assert "agentrl: the disk is full (No space left on device" in proc.stdout
     assert "Traceback" not in proc.stdout

@@ -19,8 +19,12 @@ def test_a_killed_worker_is_restarted_and_its_episodes_retried(tmp_path):
     while worker 1 took every task, so a kill aimed at worker 0 never fired)."""
     steps = 8
     proc = train(
-        [CONFIG, *overrides(tmp_path, steps), "rollout.tool_timeout_s=30"],
-        env={"AGENTRL_FAULT_KILL_WORKER": "any:0"},
+        [
+            CONFIG,
+            *overrides(tmp_path, steps),
+            "rollout.tool_timeout_s=30",
+            "testing.faults.kill_worker=any:0",
+        ]
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     run_dir = run_dir_of(tmp_path)
@@ -39,9 +43,7 @@ def test_a_weight_push_to_a_killed_worker_reaches_its_restart(tmp_path):
     the push on the new incarnation (max_task_retries=-1), which installs version 2 (the driver
     checks every worker reports it); its tasks are reclaimed; the run finishes."""
     steps = 5
-    proc = train(
-        [CONFIG, *overrides(tmp_path, steps)], env={"AGENTRL_FAULT_KILL_WORKER_ON_PUSH": "1:2"}
-    )
+    proc = train([CONFIG, *overrides(tmp_path, steps), "testing.faults.kill_worker_on_push='1:2'"])
     assert proc.returncode == 0, proc.stdout[-4000:]
     run_dir = run_dir_of(tmp_path)
     records = metrics(run_dir)

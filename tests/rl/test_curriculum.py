@@ -89,7 +89,7 @@ def test_a_curriculum_checkpoints_at_stage_ends_and_resumes_in_its_stage(tmp_pat
     ]
     assert "curriculum stage 2/2 'long'" in straight.stdout
 
-    crashed = cli(path, *overrides(tmp_path / "b"), env={"AGENTRL_FAULT_KILL_LEARNER_AT": "3"})
+    crashed = cli(path, *overrides(tmp_path / "b"), "testing.faults.kill_learner_at=3")
     assert crashed.returncode != 0
     (run_b,) = (tmp_path / "b").glob("e2e-*")
     assert (run_b / "checkpoints" / "latest").read_text() == "step-000002"

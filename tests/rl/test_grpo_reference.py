@@ -4,8 +4,8 @@ either drifts (negative controls).
 
 The model is float64; the learner computes logprobs and the loss in float32 whatever the model's
 dtype (policy/logprobs.py casts the logits), and so does the reference, so the two differ only by
-the order of float32 sums (a micro-batch's rows are shuffled, the LM head runs on the sampled
-positions only): relative differences of ~1e-7 in the loss and the gradient.
+the order of sums (a micro-batch's rows are shuffled, the LM head runs on the sampled positions
+only): ~4e-7 (relative) in the float32 loss, ~1e-11 in the weight changes (TOLERANCE).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def batch(model) -> list[TrajectoryGroup]:
     error = RolloutStatus.ENV_ERROR
     groups = [
         [trajectory(model, gen, r) for r in (1.0, 0.0, 0.0, 1.0)],
-        [trajectory(model, gen, r, turns=2) for r in (1.0, 0.5, 0.0)]
+        [trajectory(model, gen, r, turns=2) for r in (1.0, 0.0, 0.25)]
         + [trajectory(model, gen, 1.0, turns=2, status=error)],
         [trajectory(model, gen, 1.0) for _ in range(4)],
     ]
@@ -97,27 +97,21 @@ def run_both(tiny_model, optimizer: str, *, trainer=None, ref=None):
         )
     metrics = learner.step()
     assert metrics["learner/optimizer_steps"] == 1 and metrics["learner/trajectories"] == 11
-    out = grpo_step(
-        referenced,
-        ref_opt,
-        groups,
-        temperature=TEMPERATURE,
-        **{
-            "clip_low": 0.2,  # the grpo defaults (rl/learner/algorithms.py)
-            "clip_high": 0.2,
-            "max_grad_norm": cfg.max_grad_norm,
-            **(ref or {}),
-        },
-    )
+    settings = {"clip_low": 0.2, "clip_high": 0.2}  # grpo's defaults (rl/learner/algorithms.py)
+    settings |= {"max_grad_norm": cfg.max_grad_norm, **(ref or {})}
+    out = grpo_step(referenced, ref_opt, groups, temperature=TEMPERATURE, **settings)
     before = dict(start.named_parameters())
     delta_l = {k: (p - before[k]).detach() for k, p in learned.named_parameters()}
     delta_r = {k: (p - before[k]).detach() for k, p in referenced.named_parameters()}
     return metrics, out, delta_l, delta_r
 
 
-# rtol: float32 summation order (module doc); atol: where AdamW's first step (~ lr x sign(g))
-# meets a near-zero gradient, or SGD's change is itself near zero.
-TOLERANCE = {"adamw": {"rtol": 1e-5, "atol": 1e-9}, "sgd": {"rtol": 1e-5, "atol": 1e-11}}
+# The weight changes agree to ~1e-11 (relative): per token the gradient reaching the logits is
+# the same float32 number on both sides, only float64 sums differ. rtol 1e-6 allows one float32
+# rounding (6e-8) to go the other way at the logits; atol for changes that are ~0.
+TOLERANCE = {"rtol": 1e-6, "atol": 1e-12}
+LOSS_RTOL = 1e-5
+"""The float32 loss is summed in another order (~4e-7 here: its terms have both signs)."""
 
 
 @pytest.mark.parametrize(
@@ -132,12 +126,12 @@ def test_reference_takes_the_learners_step(tiny_model, optimizer, micro_batch_si
     )
     assert out["clip_fraction"] > 0.1  # the clip acts
     assert out["grad_norm"] > 1.0  # and so does the gradient clipping (max_grad_norm 1.0)
-    assert out["loss"] == pytest.approx(metrics["learner/loss"], rel=1e-6, abs=1e-9)
+    assert out["loss"] == pytest.approx(metrics["learner/loss"], rel=LOSS_RTOL)
     assert out["grad_norm"] == pytest.approx(metrics["learner/grad_norm"], rel=1e-6)
     assert out["clip_fraction"] == pytest.approx(metrics["learner/clip_fraction"], rel=1e-6)
     assert any(d.abs().max() > 0 for d in delta_r.values())
     for name, change in delta_l.items():
-        torch.testing.assert_close(delta_r[name], change, **TOLERANCE[optimizer], msg=name)
+        torch.testing.assert_close(delta_r[name], change, **TOLERANCE, msg=name)
 
 
 def centred_only(rewards_S):  # Dr. GRPO's: no division by the std
@@ -162,4 +156,4 @@ def test_a_drift_on_either_side_changes_the_step(tiny_model, monkeypatch, optimi
     assert out["loss"] != pytest.approx(metrics["learner/loss"], rel=1e-3)
     with pytest.raises(AssertionError):
         for name, change in delta_l.items():
-            torch.testing.assert_close(delta_r[name], change, **TOLERANCE[optimizer], msg=name)
+            torch.testing.assert_close(delta_r[name], change, **TOLERANCE, msg=name)

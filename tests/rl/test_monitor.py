@@ -16,7 +16,7 @@ from rich.console import Console
 from rl.cli import main
 from rl.observe.metrics import MetricsLogger, eval_record
 from rl.observe.monitor import JsonlSource, RedisSource
-from rl.observe.monitor_state import PANELS, MonitorState
+from rl.observe.monitor_state import MAX_POINTS, PANELS, Curve, MonitorState, ema
 from rl.observe.monitor_view import render, render_all
 from rl.run.launch import start_redis
 from rollout.keys import RunKeys
@@ -49,6 +49,7 @@ def test_every_panel_of_a_recorded_quickstart():
     assert "layers.1.mlp" in out  # MoE load per layer
     assert "weight push (s)" in out and "staleness mean" in out
     assert "[62.0%, 68.3%]" in out  # the SFT evaluation's interval
+    assert "min 1 ───── 10 max" in out  # 10 steps: one bar a step, and the scale around them
     assert "no alarms" in out
 
 
@@ -156,3 +157,84 @@ def test_the_cli_says_what_is_missing(argv, message, capsys):
 def test_the_cli_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
     assert main(["monitor", str(tmp_path), "--once"]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def rising(step: int) -> float:
+    """0.2 for steps 1..500, then rising by 0.001 a step to 0.7 at step 1000."""
+    return 0.2 + max(0, step - 500) / 1000
+
+
+def test_a_thousand_steps_are_drawn_whole_with_their_scale():
+    state = MonitorState()
+    state.add(
+        [{"phase": "train", "step": s, "reward/mean": rising(s)} for s in range(1, 1001)], 0.0
+    )
+    lines = text(render(state, now=1.0)).splitlines()
+    axis = next(line for line in lines if "min 1 ─" in line)
+    row = next(line for line in lines if "│ reward " in line)
+    assert "─ 1000 max" in axis and "steps, " in axis and " a column " in axis
+    low, bars, high = row.split("│")[2].split()
+    assert low == "0.20" and bars[0] == "▁" and bars[-1] == "█"
+    assert 0.68 <= float(high) <= 0.70  # the last column's mean EMA: just under the last value
+    assert axis.index("min 1 ─") + 4 == row.index(bars)  # step 1 is over the first bar
+    assert axis.index("1000 max") + 3 == row.index(bars) + len(bars) - 1  # and 1000 the last
+    assert row.split("│")[3].strip() == "0.70" and row.split("│")[4].strip() == "0.70"
+
+
+def test_downsampling_keeps_the_means_of_a_constant_then_rising_series():
+    def fed(cap: int, steps: int) -> Curve:
+        curve = Curve(cap=cap)
+        for s in range(1, steps + 1):
+            curve.add(s, rising(s))
+        return curve
+
+    whole = fed(cap=2048, steps=1000)  # one bucket a step; 50 columns of 20 steps
+    first, *_, last = whole.columns(50)
+    assert (first["mean"], first["smooth"]) == pytest.approx((0.2, 0.2))
+    assert (first["min"], first["max"], first["count"]) == (0.2, 0.2, 20)
+    assert last["mean"] == pytest.approx(sum(rising(s) for s in range(981, 1001)) / 20)
+    assert (last["min"], last["max"], last["count"]) == (rising(981), 0.7, 20)
+    merged = fed(cap=64, steps=1024)  # merged four times: 64 buckets of 16 steps, 2 a column
+    assert len(merged) == 64 and merged.per == 16 and merged.first[0] == 1
+    first, *_, last = merged.columns(32)
+    assert first["mean"] == pytest.approx(0.2) and first["count"] == 32
+    assert last["mean"] == pytest.approx(sum(rising(s) for s in range(993, 1025)) / 32)
+    assert sum(c["count"] for c in merged.columns(32)) == 1024
+    assert len(merged.columns(2000)) == 1024  # never wider than the steps: one column a step
+
+
+def test_the_smoothing_is_per_step_however_far_a_curve_is_downsampled():
+    values = [0.5, 0.9, 0.1, 0.7, 0.3, 0.8, 0.6, float("nan")]
+    short, coarse = Curve(), Curve(cap=2)
+    for step, value in enumerate(values, start=1):
+        short.add(step, value)
+        coarse.add(step, value)
+    finite = [v for v in values if v == v]
+    assert [c["smooth"] for c in short.columns(24) if c] == pytest.approx(ema(finite))
+    assert short.smoothed == coarse.smoothed == pytest.approx(ema(finite)[-1])  # NaN skipped
+    assert short.last != short.last and short.points == 7  # but shown as the last value
+    assert len(coarse) == 2 and sum(c["count"] for c in coarse.columns(24) if c) == 7
+
+
+def test_a_hundred_thousand_records_stay_under_the_cap():
+    state = MonitorState()
+    for start in range(0, 100_000, 10_000):
+        state.add(
+            [
+                {"phase": "train", "step": s, "reward/mean": s % 7 / 7, "step/seconds": 3.0}
+                for s in range(start + 1, start + 10_001)
+            ],
+            now=0.0,
+        )
+    assert set(state.curves) == {"reward/mean", "step/seconds"}
+    for curve in state.curves.values():
+        assert len(curve) <= MAX_POINTS and curve.points == 100_000
+        assert (curve.first[0], curve.final[-1], sum(curve.count)) == (1, 100_000, 100_000)
+    reward = state.curves["reward/mean"]
+    assert sum(reward.total) / 100_000 == pytest.approx(
+        sum(s % 7 / 7 for s in range(1, 100_001)) / 1e5
+    )
+    assert (min(reward.low), max(reward.high)) == (0.0, 6 / 7)
+    assert state.latest()["step"] == 100_000
+    out = text(render(state, now=1.0))
+    assert "min 1 ─" in out and "─ 100000 max" in out

@@ -60,7 +60,7 @@ def test_sigkilled_learner_resumes_exactly(tmp_path):
     (run_a,) = (tmp_path / "a").glob("e2e-*")
     expected = weights_hash(run_a)
 
-    crashed = cli(CONFIG, *overrides(tmp_path / "b"), env={"AGENTRL_FAULT_KILL_LEARNER_AT": "4"})
+    crashed = cli(CONFIG, *overrides(tmp_path / "b"), "testing.faults.kill_learner_at=4")
     assert crashed.returncode != 0 and "died" in (crashed.stdout + crashed.stderr).lower()
     (run_b,) = (tmp_path / "b").glob("e2e-*")
     assert (run_b / "checkpoints" / "latest").read_text() == "step-000002"

@@ -4,6 +4,7 @@ import msgpack
 import pytest
 
 from rollout.codec import CodecError, decode_group, encode_group
+from rollout.keys import dead_letter_stream
 from rollout.stream import RedisGroupReader, RedisTrajectoryStream
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
@@ -65,7 +66,7 @@ def test_poison_entry_goes_to_dead_letters(redis_server):
     RedisTrajectoryStream(client, "s").put(sample_group())
     got = reader.read(10, block_ms=100)
     assert len(got) == 1 and reader.dead_letters == 1
-    assert client.xlen("s:dead") == 1 and reader.pending() == 1
+    assert client.xlen(dead_letter_stream("s")) == 1 and reader.pending() == 1
 
 
 def test_entries_whose_reply_was_lost_are_read_again(redis_server):

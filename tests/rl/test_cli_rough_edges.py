@@ -1,0 +1,218 @@
+"""What a newcomer hits first: every `agentrl` command given a missing path, a file for a
+directory (or the reverse), an empty directory, a run file that is not UTF-8, empty, or not YAML
+answers with one `agentrl: ...` line naming the problem and exits 2, never with a traceback;
+`agentrl check` builds the env once, so a kwarg value its constructor refuses is a config error;
+an unknown env id fails at once with the closest registered id; `agentrl plot --output PATH`.
+Each command runs the CLI in a fresh process, as a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rl import cli
+from rl.config.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+RUN_DIR_FIX = "pass a run directory made by agentrl train"
+
+
+def agentrl(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rl.cli", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def refused(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    """Exit 2, no traceback, one `agentrl...` error line holding every fragment."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agentrl"), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], proc.stderr
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory) -> Path:
+    """A missing path, a file, an empty directory, and bad run files."""
+    root = tmp_path_factory.mktemp("rough")
+    (root / "empty").mkdir()
+    (root / "a-file.txt").write_text("not a run\n")
+    (root / "latin1.yaml").write_bytes(b"# caf\xe9 au lait\nname: latin\n")
+    (root / "blank.yaml").write_text("# nothing set yet\n\n")
+    (root / "broken.yaml").write_text("trainer:\n  steps: [1, 2\n")
+    run = root / "latin1-run"  # a run directory whose config.yaml is not UTF-8
+    run.mkdir()
+    (run / "config.yaml").write_bytes(b"name: caf\xe9\n")
+    return root
+
+
+CASES = [
+    # (argv; {p}: the place), the fragments of the error line
+    (["plot", "{p}/missing"], ["RUN_DIR", "missing does not exist", RUN_DIR_FIX]),
+    (["plot", "{p}/a-file.txt"], ["a-file.txt is a file, not a run directory"]),
+    (["plot", "{p}/empty"], ["empty is not a run directory (no metrics.jsonl)"]),
+    (["show", "{p}/missing"], ["missing does not exist", RUN_DIR_FIX]),
+    (["show", "{p}/a-file.txt"], ["a-file.txt is a file, not a run directory"]),
+    (["show", "{p}/empty"], ["empty is not a run directory (no config.yaml"]),
+    (["monitor", "{p}/missing", "--once"], ["missing does not exist"]),
+    (["monitor", "{p}/a-file.txt", "--once"], ["a-file.txt is a file, not a run directory"]),
+    (["monitor", "{p}/empty", "--once"], ["not a run directory (no config.yaml)"]),
+    (["monitor", "{p}/latin1-run", "--once"], ["is not UTF-8 text (byte 0xe9 at line 1"]),
+    (["monitor", "--redis", "localhost:6379", "--run", "x", "--once"], ["--redis", "scheme"]),
+    (["train", "--resume", "{p}/missing"], ["--resume", "missing does not exist"]),
+    (["train", "--resume", "{p}/a-file.txt"], ["--resume", "is a file, not a run directory"]),
+    (["train", "--resume", "{p}/empty"], ["--resume", "not a run directory (no config.yaml)"]),
+    (["check", "{p}/missing.yaml"], ["run file", "missing.yaml' does not exist"]),
+    (["check", "{p}/empty"], ["empty' is a directory, not a YAML file"]),
+    (
+        ["check", "{p}/latin1.yaml"],
+        ["latin1.yaml is not UTF-8 text (byte 0xe9 at line 1, column 6); save it as UTF-8"],
+    ),
+    (["train", "{p}/latin1.yaml"], ["latin1.yaml is not UTF-8 text"]),
+    (["check", "{p}/blank.yaml"], ["blank.yaml' is empty", "configs/template.yaml"]),
+    (["check", "{p}/broken.yaml"], ["broken.yaml is not valid YAML", "line 2, column 10"]),
+    (["config", "schema", "--output", "{p}/a-file.txt/schema.json"], ["--output", "is a file"]),
+    (["config", "docs", "--output", "{p}/a-file.txt/x/docs.md"], ["--output", "is a file"]),
+    (["envs", "check", "agentrl/Calculater-v0"], ["did you mean 'agentrl/Calculator-v0'?"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "fragments"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_is_one_error_line_not_a_traceback(place, argv, fragments):
+    proc = agentrl(*(a.format(p=place) for a in argv))
+    refused(proc, *fragments)
+
+
+def test_show_on_a_missing_directory_does_not_blame_metrics_trajectories(place):
+    proc = agentrl("show", str(place / "missing"))
+    refused(proc, "does not exist")
+    assert "metrics.trajectories" not in proc.stderr
+
+
+# 2. `agentrl check` builds the env once
+
+
+def test_check_builds_the_env_so_a_refused_kwarg_value_is_a_config_error():
+    proc = agentrl("check", QUICKSTART, "env.kwargs.difficulty=7")
+    refused(
+        proc,
+        "agentrl: config error: env.kwargs.difficulty: agentrl/Calculator-v0 refused "
+        "difficulty=7 when built: ValueError: difficulty must be 1, 2, 3 or 4, got 7",
+    )
+
+
+def test_check_build_names_the_kwarg_and_passes_good_ones():
+    from envs.registry import RegistrationError, check_build
+
+    check_build("agentrl/Calculator-v0", {"difficulty": 2, "max_turns": 3})
+    with pytest.raises(RegistrationError) as info:
+        check_build("agentrl/Calculator-v0", {"max_turns": 3, "difficulty": 0})
+    assert info.value.key == "difficulty" and "got 0" in str(info.value)
+
+
+# 3. an unknown env id: fast, with the closest registered id
+
+
+def test_an_unknown_env_id_fails_fast_with_the_closest_id():
+    import envs  # noqa: F401  (its import is not the check: `agentrl` imports it anyway)
+
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        cli._check_env_id({"env": {"id": "agentrl/Calculater-v0"}})
+    seconds = time.perf_counter() - start
+    assert info.value.key == "env.id"
+    assert "did you mean 'agentrl/Calculator-v0'?" in info.value.message
+    assert seconds < 0.5, f"the env id check took {seconds:.2f} s"
+    cli._check_env_id({"env": {"id": "agentrl/Calculator-v0"}})  # a known id passes
+    cli._check_env_id({"env": {"id": "acme/New-v0", "entry_point": "acme.new:NewEnv"}})
+
+
+def test_check_of_an_unknown_env_id_stops_before_the_policy_is_imported():
+    """`agentrl check` reports the id before the policy's settings are checked: those import
+    torch and transformers (seconds); the CLI's own work stays under a second."""
+    script = (
+        "import sys, time\n"
+        "from rl.cli import main\n"
+        "start = time.perf_counter()\n"
+        f"code = main(['check', {QUICKSTART!r}, 'env.id=agentrl/Calculater-v0'])\n"
+        "print(code, 'torch' in sys.modules, round(time.perf_counter() - start, 3))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert (
+        "env.id: no environment 'agentrl/Calculater-v0' is registered; did you mean "
+        "'agentrl/Calculator-v0'?" in proc.stderr
+    )
+    code, torch_imported, seconds = proc.stdout.split()
+    assert code == "2" and torch_imported == "False", proc.stdout
+    assert float(seconds) < 3, f"main() took {seconds} s"  # ~0.3 s; slack for a busy machine
+
+
+# 4. `agentrl plot RUN_DIR --output PATH`
+
+
+def fake_run(root: Path) -> Path:
+    run = root / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: fake\n")
+    records = [
+        {"step": 0, "phase": "eval", "eval/label": "sft", "eval/mode": "greedy"}
+        | {"eval/success": 0.5, "eval/ci_low": 0.4, "eval/ci_high": 0.6},
+        *(
+            {"step": s, "phase": "train", "reward/mean": 0.2 * s, "reward/std": 0.1}
+            | {"rollout/success_rate": 0.2 * s}
+            for s in (1, 2, 3)
+        ),
+    ]
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    (run / "metrics.jsonl").write_text(text + '{"step": 4, "phase": "tr')  # a live run's last line
+    return run
+
+
+def is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_writes_where_asked_creating_directories(tmp_path):
+    run = fake_run(tmp_path)
+    out = tmp_path / "figures" / "new" / "curve.png"
+    proc = agentrl("plot", str(run), "--output", str(out))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.strip() == str(out) and is_png(out)
+    assert not (run / "reward_curve.png").exists()
+    proc = agentrl("plot", str(run))  # the default place stays
+    assert proc.returncode == 0 and proc.stdout.strip() == str(run / "reward_curve.png")
+    assert is_png(run / "reward_curve.png")
+
+
+def test_plot_output_that_cannot_be_written(tmp_path):
+    run = fake_run(tmp_path)
+    (tmp_path / "taken").write_text("a file where a directory is asked for\n")
+    refused(
+        agentrl("plot", str(run), "--output", str(tmp_path / "taken" / "curve.png")),
+        "--output: cannot create the directory",
+        "taken is a file; pick another path",
+    )
+
+
+def test_plot_of_a_run_without_a_finished_step(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: fresh\n")
+    refused(agentrl("plot", str(run)), "has no metrics.jsonl yet")
+    (run / "metrics.jsonl").write_text("")
+    refused(agentrl("plot", str(run)), "has no finished training step yet")
