@@ -28,7 +28,7 @@ from gymnasium.utils.env_checker import check_env
 from envs.base import ToolEnv
 from envs.expert import demonstrate
 from envs.fuzz import random_action
-from envs.registry import make_expert, register_entry_point
+from envs.registry import make_expert, register_entry_point, unknown_env
 
 
 class CheckFailed(AssertionError):
@@ -83,6 +83,9 @@ def check_tool_env(
         except Exception as exc:
             report.results.append(CheckResult("make", False, _explain(exc)))
             return report
+    elif env_id not in gymnasium.registry:
+        report.results.append(CheckResult("make", False, unknown_env(env_id)))
+        return report
     make = lambda **extra: gymnasium.make(env_id, **{**kwargs, **extra})  # noqa: E731
     checks: list[tuple[str, Callable[[], str]]] = [
         ("make", lambda: _check_make(make)),

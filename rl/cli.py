@@ -240,7 +240,11 @@ def cmd_monitor(args) -> int:
     try:
         run_monitor(source, state, finished=finished, once=args.once)
     except redis.exceptions.ConnectionError as exc:
-        raise ConfigError("--redis", f"cannot reach {args.redis}: {exc}; is Redis up?") from None
+        why = str(exc).rstrip(".")
+        raise ConfigError("--redis", f"cannot reach {args.redis}: {why}; is Redis up?") from None
+    except json.JSONDecodeError as exc:  # a metrics line not written by agentrl
+        key, where = ("--redis", source.stream) if args.redis else ("RUN_DIR", source.path)
+        raise ConfigError(key, f"a record in {where} is not JSON ({exc})") from None
     return 0
 
 

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 from rich.text import Text
 
+from rl.config.runfile import read_yaml
 from rl.observe.trajlog import FILE, expand, read
 
 
@@ -81,7 +81,9 @@ def tokenizer_dir(run_dir: Path) -> Path:
     candidates = [run_dir / "sft-model", run_dir / "policy-init"]
     config = run_dir / "config.yaml"
     if config.exists():
-        path = (yaml.safe_load(config.read_text()) or {}).get("policy", {}).get("path")
+        raw = read_yaml(config, "the run's config")
+        policy = raw.get("policy") if isinstance(raw, dict) else None
+        path = policy.get("path") if isinstance(policy, dict) else None
         if path:
             candidates.append(Path(path))
     for directory in candidates:

@@ -35,8 +35,10 @@ def test_the_cli_prints_pass_fail_and_sets_the_exit_code(capsys):
     assert main(["envs", "check", "agentrl/Calculator-v0", "difficulty=2", "--episodes=2"]) == 0
     out = capsys.readouterr().out
     assert "PASS  gymnasium check_env" in out and "PASSED: 8/8" in out
-    assert main(["envs", "check", "nobody/Nothing-v0"]) == 1
-    assert "FAIL  make" in capsys.readouterr().out
+    assert main(["envs", "check", "nobody/Nothing-v0"]) == 2  # a usage error: one line
+    assert "envs check: no environment 'nobody/Nothing-v0' is registered" in capsys.readouterr().err
+    report = check_tool_env("agentrl/Calculater-v0")  # the library call: a failed make
+    assert not report.passed and "did you mean 'agentrl/Calculator-v0'?" in report.format()
     assert main(["envs", "list"]) == 0
     listing = capsys.readouterr().out
     assert all(env_id in listing for env_id in ALL) and "expert" in listing

@@ -55,6 +55,11 @@ def place(tmp_path_factory) -> Path:
     run = root / "latin1-run"  # a run directory whose config.yaml is not UTF-8
     run.mkdir()
     (run / "config.yaml").write_bytes(b"name: caf\xe9\n")
+    (run / "trajectories.jsonl").write_text('{"step": 1, "id": "1-0/0"}\n')
+    run = root / "bad-metrics-run"  # a metrics line that is not JSON, before others
+    run.mkdir()
+    (run / "config.yaml").write_text("name: bad\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "phase": "train", oops}\n{"step": 2}\n')
     return root
 
 
@@ -70,7 +75,14 @@ CASES = [
     (["monitor", "{p}/a-file.txt", "--once"], ["a-file.txt is a file, not a run directory"]),
     (["monitor", "{p}/empty", "--once"], ["not a run directory (no config.yaml)"]),
     (["monitor", "{p}/latin1-run", "--once"], ["is not UTF-8 text (byte 0xe9 at line 1"]),
+    (["monitor", "{p}/bad-metrics-run", "--once"], ["metrics.jsonl is not JSON"]),
     (["monitor", "--redis", "localhost:6379", "--run", "x", "--once"], ["--redis", "scheme"]),
+    (
+        ["monitor", "--redis", "redis://127.0.0.1:1", "--run", "x", "--once"],
+        ["--redis: cannot reach redis://127.0.0.1:1", "is Redis up?"],
+    ),
+    (["plot", "{p}/bad-metrics-run"], ["metrics.jsonl line 1 is not a JSON record"]),
+    (["show", "{p}/latin1-run"], ["config.yaml is not UTF-8 text"]),
     (["train", "--resume", "{p}/missing"], ["--resume", "missing does not exist"]),
     (["train", "--resume", "{p}/a-file.txt"], ["--resume", "is a file, not a run directory"]),
     (["train", "--resume", "{p}/empty"], ["--resume", "not a run directory (no config.yaml)"]),
@@ -206,6 +218,15 @@ def test_plot_output_that_cannot_be_written(tmp_path):
         agentrl("plot", str(run), "--output", str(tmp_path / "taken" / "curve.png")),
         "--output: cannot create the directory",
         "taken is a file; pick another path",
+    )
+
+
+def test_plot_output_in_a_format_matplotlib_does_not_know(tmp_path):
+    run = fake_run(tmp_path)
+    refused(
+        agentrl("plot", str(run), "--output", str(tmp_path / "curve.txt")),
+        "--output: cannot write",
+        "Format 'txt' is not supported",
     )
 
 

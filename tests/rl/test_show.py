@@ -124,6 +124,9 @@ def test_clear_errors(run_dir, tmp_path, capsys):
     code, _, err = show(capsys, run_dir, "--step", "9")
     assert code == 2 and "no trajectory recorded for step 9; recorded steps: 1..2" in err
     code, _, err = show(capsys, tmp_path)
+    assert code == 2 and "is not a run directory (no config.yaml, no trajectories.jsonl)" in err
+    (tmp_path / "config.yaml").write_text("name: fresh\n")  # a run that recorded nothing yet
+    code, _, err = show(capsys, tmp_path)
     assert code == 2 and "trajectories.jsonl is missing or empty" in err
     with pytest.raises(SystemExit):
         main(["show", str(run_dir), "--worst", "--best"])
