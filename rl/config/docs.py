@@ -18,7 +18,7 @@ from rl.config.runfile import RunConfig
 PREFACE = """\
 # Run files: every key
 
-<!-- Generated from rl/config/runfile.py, config_sections.py and config_trainer.py by
+<!-- Generated from rl/config/runfile.py, sections.py and trainer.py by
 `agentrl config docs --output docs/run-files.md`; tests/rl/test_config_docs.py fails when this
 file and the code differ. -->
 

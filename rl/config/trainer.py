@@ -109,7 +109,8 @@ class TrainerConfig(Section):
     """torch threads in the learner (async mode: at most trainer.cpus, since the workers
     compute at the same time)."""
     read_timeout_s: float = Field(300.0, gt=0)
-    """Give up (with an error) if the stream yields no group for this long."""
+    """Give up (with an error) if the stream yields no group for this long: a silence timer that
+    restarts whenever a group arrives, not a limit on collecting a whole batch."""
     max_skipped_steps: int = Field(3, ge=0)
     """Stop the run (with an error naming the steps) after this many learner steps in a row
     whose every optimizer step was skipped for a NaN/Inf loss or gradient (0: never stop)."""

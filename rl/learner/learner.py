@@ -107,19 +107,22 @@ class Learner:
         self.generator = torch.Generator().manual_seed(seed)  # micro-batch order
 
     def read_batch(self) -> tuple[list[str], list[TrajectoryGroup]]:
-        """Exactly `tasks_per_step` groups, or StreamTimeout after `read_timeout_s` of silence."""
+        """Exactly `tasks_per_step` groups, or StreamTimeout after `read_timeout_s` of silence:
+        the timer restarts whenever a group arrives, so a slow but live stream never times out."""
         want, ids, groups = self.cfg.tasks_per_step, [], []
         deadline = time.monotonic() + self.cfg.read_timeout_s
         while len(groups) < want:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise StreamTimeout(
-                    f"learner got {len(groups)} of {want} groups in "
-                    f"{self.cfg.read_timeout_s:.0f} s; are the rollout workers alive?"
+                    f"learner got {len(groups)} of {want} groups and then none for "
+                    f"{self.cfg.read_timeout_s:g} s (trainer.read_timeout_s); "
+                    "are the rollout workers alive?"
                 )
-            for entry_id, group in self.source.read(
-                want - len(groups), block_ms=min(left_ms, 1000)
-            ):
+            entries = self.source.read(want - len(groups), block_ms=min(left_ms, 1000))
+            if entries:  # the stream is alive (duplicates included): restart the silence timer
+                deadline = time.monotonic() + self.cfg.read_timeout_s
+            for entry_id, group in entries:
                 if group.group_id in self.trained or any(
                     g.group_id == group.group_id for g in groups
                 ):

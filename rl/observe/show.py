@@ -176,13 +176,29 @@ def run(args, console: Console | None = None) -> int:
             f"{run_dir / FILE} is missing or empty: the run recorded no trajectories "
             "(metrics.trajectories is 0, or no step has finished yet)"
         )
+    _check_records(records, run_dir / FILE)
     console = console or Console(highlight=False)
     if args.list:
         listing([r for r in records if args.step is None or r["step"] == args.step], console)
         return 0
     record = select(records, traj_id=args.id, step=args.step, worst=args.worst, best=args.best)
-    show(record, load_decoder(run_dir), console)
+    try:
+        show(record, load_decoder(run_dir), console)
+    except (KeyError, TypeError, IndexError) as exc:
+        where = f"{run_dir / FILE}: record {record.get('id')!r}"
+        raise ShowError(f"{where} is malformed ({exc!r})") from None
     return 0
+
+
+def _check_records(records: list, path: Path) -> None:
+    """Every line a record of trajlog's shape (a file edited by hand, or cut off, is named)."""
+    for line, rec in enumerate(records, 1):
+        missing = [k for k in ("step", "id", "reward") if not isinstance(rec, dict) or k not in rec]
+        if missing:
+            raise ShowError(
+                f"{path}: record {line} is not a trajectory record (missing {', '.join(missing)}); "
+                "the file is written by agentrl train (metrics.trajectories)"
+            )
 
 
 def _versions(versions: list[int]) -> str:

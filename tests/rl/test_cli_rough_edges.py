@@ -55,11 +55,19 @@ def place(tmp_path_factory) -> Path:
     run = root / "latin1-run"  # a run directory whose config.yaml is not UTF-8
     run.mkdir()
     (run / "config.yaml").write_bytes(b"name: caf\xe9\n")
-    (run / "trajectories.jsonl").write_text('{"step": 1, "id": "1-0/0"}\n')
+    (run / "trajectories.jsonl").write_text('{"step": 1, "id": "1-0/0", "reward": 0}\n')
     run = root / "bad-metrics-run"  # a metrics line that is not JSON, before others
     run.mkdir()
     (run / "config.yaml").write_text("name: bad\n")
     (run / "metrics.jsonl").write_text('{"step": 1, "phase": "train", oops}\n{"step": 2}\n')
+    run = root / "bad-traj-run"  # trajectory records edited by hand
+    run.mkdir()
+    (run / "config.yaml").write_text("name: bad\n")
+    (run / "trajectories.jsonl").write_text('{"step": 1, "id": "1-0/0", "reward": 1.0}\n[3]\n')
+    run = root / "short-traj-run"  # a record with the keys to find it but not to show it
+    run.mkdir()
+    (run / "config.yaml").write_text("name: short\n")
+    (run / "trajectories.jsonl").write_text('{"step": 1, "id": "1-0/0", "reward": 1.0}\n')
     return root
 
 
@@ -98,6 +106,7 @@ CASES = [
     (["config", "schema", "--output", "{p}/a-file.txt/schema.json"], ["--output", "is a file"]),
     (["config", "docs", "--output", "{p}/a-file.txt/x/docs.md"], ["--output", "is a file"]),
     (["envs", "check", "agentrl/Calculater-v0"], ["did you mean 'agentrl/Calculator-v0'?"]),
+    (["show", "{p}/bad-traj-run"], ["record 2 is not a trajectory record", "missing step"]),
 ]
 
 
@@ -237,3 +246,22 @@ def test_plot_of_a_run_without_a_finished_step(tmp_path):
     refused(agentrl("plot", str(run)), "has no metrics.jsonl yet")
     (run / "metrics.jsonl").write_text("")
     refused(agentrl("plot", str(run)), "has no finished training step yet")
+
+
+def test_show_names_a_record_it_cannot_draw(place, monkeypatch):
+    """A record with the keys to pick it but not to draw it: ShowError naming it, no KeyError."""
+    import argparse
+
+    from rl.observe import show
+
+    monkeypatch.setattr(show, "load_decoder", lambda run_dir: lambda ids: "")
+    args = argparse.Namespace(
+        run_dir=str(place / "short-traj-run"),
+        list=False,
+        id=None,
+        step=None,
+        worst=True,
+        best=False,
+    )
+    with pytest.raises(show.ShowError, match="record '1-0/0' is malformed"):
+        show.run(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 
 import pytest
 import torch
@@ -33,6 +34,31 @@ class ListSource:
     def ack(self, entry_ids):
         self.acked.extend(entry_ids)
         return len(entry_ids)
+
+
+class TrickleSource(ListSource):
+    """A ListSource whose entries arrive one at a time, `gaps[i]` seconds after the previous one
+    (the clock starts at the first read); `read` waits at most `block_ms` for the next, as the
+    Redis stream does."""
+
+    def __init__(self, groups, gaps):
+        super().__init__(groups)
+        self.gaps, self.next_at = list(gaps), None
+
+    def read(self, count, *, block_ms):
+        now = time.monotonic()
+        if self.next_at is None and self.gaps:
+            self.next_at = now + self.gaps[0]
+        if not self.entries or self.next_at is None:  # nothing more will ever arrive
+            time.sleep(block_ms / 1000)
+            return []
+        if self.next_at - now > block_ms / 1000:
+            time.sleep(block_ms / 1000)
+            return []
+        time.sleep(max(0.0, self.next_at - now))
+        self.gaps.pop(0)
+        self.next_at = time.monotonic() + self.gaps[0] if self.gaps else None
+        return super().read(1, block_ms=block_ms)
 
 
 def make_group(model, rewards, *, seed, status=RolloutStatus.COMPLETED):
@@ -129,6 +155,33 @@ def test_a_silent_stream_times_out_with_a_clear_error(tiny_model):
     learner, _ = learner_for(copy.deepcopy(tiny_model), [], batch_size=8)
     with pytest.raises(StreamTimeout, match="0 of 2 groups"):
         learner.step()
+
+
+def trickle_learner(model, groups, gaps, *, timeout_s, tasks):
+    cfg = TrainerConfig(group_size=4, batch_size=4 * tasks, read_timeout_s=timeout_s)
+    source = TrickleSource(groups, gaps)
+    return Learner(cfg, model=copy.deepcopy(model), source=source, pad_token_id=0, temperature=1.0)
+
+
+def test_read_timeout_is_a_silence_timer_not_a_batch_deadline(tiny_model):
+    # Groups keep arriving, each well within the timeout, but the whole batch takes longer than
+    # it: a healthy run with slow episodes must get its batch (the timer restarts per group).
+    group = make_group(tiny_model, [1.0, 0.0, 0.0, 1.0], seed=40)
+    learner = trickle_learner(tiny_model, [group] * 6, [0.12] * 6, timeout_s=0.4, tasks=6)
+    start = time.monotonic()
+    ids, groups = learner.read_batch()
+    assert time.monotonic() - start > 0.4  # longer in total than read_timeout_s
+    assert ids == [f"{i}-0" for i in range(6)] and len(groups) == 6
+
+
+def test_a_stream_that_falls_silent_times_out_naming_the_key(tiny_model):
+    group = make_group(tiny_model, [1.0, 0.0, 0.0, 1.0], seed=41)
+    learner = trickle_learner(tiny_model, [group] * 2, [0.05, 0.05], timeout_s=0.25, tasks=3)
+    start = time.monotonic()
+    with pytest.raises(StreamTimeout, match=r"2 of 3 groups .*trainer\.read_timeout_s"):
+        learner.read_batch()
+    # counted from the last group (at 0.1 s), not from the start (ms rounding aside)
+    assert time.monotonic() - start > 0.1 + 0.25 - 0.02
 
 
 def test_pack_masks_prompt_and_padding(tiny_model):

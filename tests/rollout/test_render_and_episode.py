@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import gymnasium
+import pytest
 
 import envs  # noqa: F401
 from envs.types import assistant, tool_call, tool_result, user
@@ -99,6 +100,29 @@ def test_malformed_calls_become_observations_and_the_episode_continues(tokenizer
         assert traj.status is RolloutStatus.TRUNCATED and traj.num_turns == 3
         assert traj.num_parse_errors == 3 and traj.num_tool_errors == 3
         assert "Error: malformed tool call" in renderer.decode(traj.token_ids)
+
+
+@pytest.mark.parametrize(
+    "near_miss",
+    [
+        '<TOOL_CALL>{"name": "calculate", "arguments": {}}</TOOL_CALL>',
+        '{"name": "calculate", "arguments": {}}</tool_call>',
+        '{"name": "calculate", "arguments": {"expression": "3 + 4"}}',
+        "<tool_ca",
+    ],
+)
+def test_near_miss_calls_are_parse_errors_and_the_episode_continues(tokenizer, near_miss):
+    trajs, renderer, _ = run(tokenizer, lambda _: near_miss + "<|im_end|>", n=1, max_turns=3)
+    (traj,) = trajs
+    assert traj.status is RolloutStatus.TRUNCATED and traj.num_turns == 3  # never graded
+    assert traj.num_parse_errors == 3 and traj.num_tool_errors == 3
+    assert "Error: malformed tool call" in renderer.decode(traj.token_ids)
+
+
+def test_prose_about_tool_calls_is_a_final_answer(tokenizer):
+    trajs, _, _ = run(tokenizer, lambda _: "no tool call needed: 7<|im_end|>", n=1, max_turns=3)
+    assert trajs[0].status is RolloutStatus.COMPLETED and trajs[0].num_turns == 1
+    assert trajs[0].num_parse_errors == 0 and trajs[0].num_tool_calls == 0
 
 
 def test_turn_without_stop_token_truncates(tokenizer):
