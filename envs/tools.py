@@ -244,9 +244,9 @@ class Toolbox:
         fn = call.get("function") if isinstance(call, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not name:
-            return _error(
-                "", 'malformed tool call; expected {"name": <tool>, "arguments": {...}}'
-            ), False
+            said = call.get("error") if isinstance(call, dict) else None
+            why = 'malformed tool call; expected {"name": <tool>, "arguments": {...}}'
+            return _error("", said if isinstance(said, str) and said else why), False
         if name not in self._tools:
             return _error(
                 "", f"unknown tool {_short(name)} (available: {', '.join(self._tools)})"

@@ -25,6 +25,8 @@ class FunctionCall(TypedDict):
 class ToolCall(TypedDict):
     type: str
     function: FunctionCall
+    error: NotRequired[str]
+    """Set by the parser on a call it could not read: what was wrong, shown to the model."""
 
 
 class Message(TypedDict):

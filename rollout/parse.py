@@ -85,7 +85,7 @@ def _take_block(
         errors.append(
             f'malformed tool call: found "{_show(tag)}" without an opening {OPEN}; {EXAMPLE}'
         )
-        calls.append(_near_miss(text[pos : tag.end()]))
+        calls.append(_near_miss(text[pos : tag.end()], errors[-1]))
         return tag.end()
     after = _next_tag(text, tag.end())
     close = after if after is not None and after.group(1) else None
@@ -102,7 +102,7 @@ def _take_block(
     else:
         errors.append(f"malformed tool call: unclosed {OPEN} (no {CLOSE} after it); {EXAMPLE}")
     stop = close.end() if close else after.start() if after else len(text)
-    calls.append(_near_miss(text[tag.start() : stop]))
+    calls.append(_near_miss(text[tag.start() : stop], errors[-1]))
     return stop
 
 
@@ -175,7 +175,7 @@ def _take_bare_json(text: str, calls: list[ToolCall], errors: list[str]) -> str:
             continue
         where = "in a ``` code fence" if fence else "as bare JSON with no tags"
         errors.append(f"malformed tool call: found a tool call {where}; {EXAMPLE}{hint}")
-        calls.append(_near_miss(text[start:end]))
+        calls.append(_near_miss(text[start:end], errors[-1]))
         whole = fence is not None and fence[3].strip() == text[start:end]
         spans.append((fence[0], fence[1]) if whole else (start, end))
     for start, end in reversed(spans):
@@ -210,7 +210,7 @@ def _take_call(body: str, calls: list[ToolCall], errors: list[str]) -> str:
     except (json.JSONDecodeError, RecursionError):
         if body.strip().startswith("```"):
             errors.append(f"malformed tool call: a ``` code fence inside {OPEN}; {EXAMPLE}")
-            calls.append(_near_miss(body))
+            calls.append(_near_miss(body, errors[-1]))
             return ""
         errors.append("tool call is not valid JSON")
         calls.append(_malformed(body))
@@ -234,6 +234,9 @@ def _malformed(body: str) -> ToolCall:
     return tool_call(match.group(1) if match else "", raw or "{}")
 
 
-def _near_miss(raw: str) -> ToolCall:
-    """A call the env must refuse (no name) that keeps what the model wrote, for the logs."""
-    return tool_call("", raw.strip()[:2000] or "{}")
+def _near_miss(raw: str, error: str) -> ToolCall:
+    """A call the env must refuse (no name) that keeps what the model wrote, for the logs, and
+    says what was wrong (`error`: the env's observation for it, envs/tools.py Toolbox.call)."""
+    call = tool_call("", raw.strip()[:2000] or "{}")
+    call["error"] = error
+    return call

@@ -133,6 +133,7 @@ def test_near_misses_become_one_error_call_with_a_specific_message(turn, says):
     obs, _, terminated, truncated, info = env.step(parsed.message)
     assert not (terminated or truncated)  # not graded as a final answer: the episode goes on
     assert info["tool_errors"] == 1 and obs[0]["content"].startswith("Error: malformed tool call")
+    assert says in obs[0]["content"] and EXAMPLE in obs[0]["content"]  # the model reads why
 
 
 @pytest.mark.parametrize("turn", ORDINARY_ANSWERS)
