@@ -22,8 +22,9 @@ KDA short-conv window as zeros.
 
 Routing replay: `replay_experts` gives, per MoE layer (in layer order), the experts to use for
 every token, [B*T, K] in x.reshape(-1, D) order (or [B, T, K]); the router still computes the
-weights from its live scores, so it keeps its gradients. `return_routing=True` returns the live
-selections `routed_experts` [M, B*T, K] and the dense scores `router_scores` (M x [B*T, E]).
+weights from its live scores, so it keeps its gradients. A token whose row holds -1 (no record)
+is routed live. `return_routing=True` returns the live selections `routed_experts` [M, B*T, K]
+and the dense scores `router_scores` (M x [B*T, E]).
 
 Letters: B batch, T new tokens, D hidden size, V vocabulary, M MoE layers, K experts per token,
 E experts.

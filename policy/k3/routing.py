@@ -12,7 +12,9 @@ is frozen at inference.
 Routing replay (R2/R3): every forward returns the selected indices, so a caller can record them
 per layer. Passing `replay_indices_TK` to a later forward takes the selection from the replay
 and gathers the weights from the live dense (pre-top-k) scores at the replayed indices, so the
-router keeps receiving gradients even where the live top-k would have chosen differently.
+router keeps receiving gradients even where the live top-k would have chosen differently. A row
+of `replay_indices_TK` holding a negative index (the sentinel -1: no record for that token) is
+routed live, exactly as without replay.
 
 Letters: T tokens, D hidden size, E experts, K experts per token (top-k), G expert groups.
 """
@@ -106,18 +108,18 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.weight, std=init_std)
 
     def forward(self, x_TD: torch.Tensor, replay_indices_TK: torch.Tensor | None = None) -> Routing:
-        """Route T tokens; replay the given selection instead of choosing when provided."""
+        """Route T tokens; replay the given selection instead of choosing when provided (rows
+        with a negative index, the sentinel -1, are chosen live)."""
         scores_TE = router_scores(x_TD, self.weight, self.score_func)
-        if replay_indices_TK is None:
-            biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
-            indices_TK = select_experts(
-                biased_TE, self.top_k, self.num_expert_group, self.topk_group
-            )
-        else:
+        biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
+        indices_TK = select_experts(biased_TE, self.top_k, self.num_expert_group, self.topk_group)
+        if replay_indices_TK is not None:
             expected = (x_TD.shape[0], self.top_k)
             if tuple(replay_indices_TK.shape) != expected or replay_indices_TK.is_floating_point():
                 raise ValueError(f"replay indices must be integer {expected}")
-            indices_TK = replay_indices_TK.to(device=scores_TE.device, dtype=torch.long)
+            replay_TK = replay_indices_TK.to(device=scores_TE.device, dtype=torch.long)
+            live_T1 = (replay_TK < 0).any(-1, keepdim=True)  # sentinel rows: no record
+            indices_TK = torch.where(live_T1, indices_TK, replay_TK)  # no host sync
         weights_TK = combine_weights(
             scores_TE, indices_TK, self.renormalize, self.routed_scaling_factor
         )

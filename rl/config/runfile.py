@@ -193,6 +193,17 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _replay_needs_records(self) -> RunConfig:
+        if self.trainer.routing_replay and not self.rollout.record_routing:
+            raise ConfigError(
+                "trainer.routing_replay",
+                "replays the experts the rollout engine recorded, but rollout.record_routing is "
+                "false (nothing would be replayed); set rollout.record_routing: true, or "
+                "trainer.routing_replay: false",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _budget_needs_async(self) -> RunConfig:
         if self.rollout.token_budget is not None and self.trainer.mode != "async":
             raise ConfigError(

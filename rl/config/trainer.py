@@ -68,7 +68,9 @@ class TrainerConfig(Section):
     """PPO: GAE lambda."""
     routing_replay: bool = False
     """MoE policies: replay the rollout engine's expert choices in the learner's forward (R3);
-    the router still gets gradients through the replayed experts' scores."""
+    the router still gets gradients through the replayed experts' scores. Needs
+    rollout.record_routing; a trajectory without records is routed live (moe/replayed_share:
+    the share of sampled tokens replayed)."""
     vf_coef: float = Field(0.1, ge=0)
     """PPO: weight of the value loss (the value head shares the policy trunk)."""
     value_clip: Annotated[float, Field(gt=0)] | None = 0.2

@@ -38,10 +38,12 @@ class TrainBatch:
     """[N, K] target position where each turn starts (0 where `turn_mask_NK` is 0)."""
     turn_mask_NK: torch.Tensor
     routes_NTMK: torch.Tensor | None = None
-    """MoE policies: experts the rollout engine routed each input position to, per MoE layer
-    (the last record repeated past the recorded positions); None without records."""
+    """MoE policies: experts the rollout engine routed each input position to, per MoE layer;
+    -1 (route live) where there is no record: past a trajectory's recorded positions and on
+    every position of a trajectory without records. None when no trajectory has records."""
     routed_NT: torch.Tensor | None = None
-    """[N, T] True where `routes_NTMK` holds a real record (for the mismatch metric)."""
+    """[N, T] True where `routes_NTMK` holds a real record (replayed with routing replay; the
+    positions the mismatch metric compares)."""
     versions_NT: torch.Tensor | None = None
     """[N, T-1] policy version that sampled each target token (-1 where it was not sampled)."""
 
@@ -158,16 +160,19 @@ def pack(
 
 
 def _routes(trajs: list, width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """[N, T, M, K] recorded expert choices and [N, T] record mask, if every trajectory has them."""
-    if not trajs or any(not t.routed_experts for t in trajs):
+    """[N, T, M, K] recorded expert choices (-1 where none: routed live) and [N, T] record mask;
+    None, None when no trajectory has records."""
+    recorded = next((t.routed_experts for t in trajs if t.routed_experts), None)
+    if recorded is None:
         return None, None
-    _, layers, k = torch.tensor(trajs[0].routed_experts[:1]).shape
-    routes = torch.zeros((len(trajs), width, layers, k), dtype=torch.long)
+    _, layers, k = torch.tensor(recorded[:1]).shape
+    routes = torch.full((len(trajs), width, layers, k), -1, dtype=torch.long)
     routed = torch.zeros((len(trajs), width), dtype=torch.bool)
     for row, traj in enumerate(trajs):
+        if not traj.routed_experts:
+            continue  # e.g. sampled without record_routing: its rows route live
         record = torch.tensor(traj.routed_experts, dtype=torch.long)[:width]
         routes[row, : len(record)] = record
-        routes[row, len(record) :] = record[-1]  # positions no logprob depends on
         routed[row, : len(record)] = True
     return routes, routed
 

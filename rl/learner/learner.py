@@ -197,6 +197,8 @@ class Learner:
             **length_metrics(batch.loss_mask_NT),
             "learner/loss_tokens": float(batch.loss_mask_NT.sum()),
         }
+        if self.router_stats is not None:  # MoE policies
+            metrics["moe/replayed_share"] = self._replayed_share(batch)
         is_weight_NT = None
         if cfg.off_policy == "decoupled":
             is_weight_NT, weights = decoupled_weights(
@@ -295,10 +297,20 @@ class Learner:
         )[0]
 
     def _replay(self, mb: TrainBatch):
-        """The rollout's expert choices per MoE layer ([B, T, K] each) when replaying (R3)."""
+        """The rollout's expert choices per MoE layer ([B, T, K] each) when replaying (R3);
+        -1 rows (positions without a record) are routed live by the model."""
         if not self.cfg.routing_replay or mb.routes_NTMK is None:
             return None
         return [mb.routes_NTMK[:, :, m] for m in range(mb.routes_NTMK.shape[2])]
+
+    def _replayed_share(self, batch: TrainBatch) -> float:
+        """Share of the sampled (loss-mask) tokens predicted from a replayed route: the record
+        of the predicting position t (target t + 1); 0 without routing replay."""
+        if not self.cfg.routing_replay or batch.routed_NT is None:
+            return 0.0
+        mask_NT = batch.loss_mask_NT
+        replayed = (mask_NT * batch.routed_NT[:, :-1]).sum()
+        return float(replayed / mask_NT.sum().clamp(min=1))
 
     def _measure_routing(self, mb: TrainBatch) -> bool:
         """Compare the learner's own routing with the rollout's (only meaningful without replay)."""

@@ -124,6 +124,13 @@ def test_sections_built_in_python_raise_config_errors_too(tmp_path):
     assert err.key == "curriculum[0].steps" and "curriculum[0].max_seq_len: is required" in str(err)
 
 
+def test_routing_replay_without_recorded_routes_is_refused():
+    err = error_for("trainer.routing_replay=true", "rollout.record_routing=false")
+    assert err.key == "trainer.routing_replay"
+    assert "rollout.record_routing: true" in err.message and "routing_replay: false" in err.message
+    assert load_config(None, ["trainer.routing_replay=true"]).rollout.record_routing
+
+
 def test_the_resolved_config_in_a_run_dir_loads_back_the_same(tmp_path):
     cfg = load_config(ROOT / "configs/long_context.yaml", ["trainer.tis_cap=2.0"])
     path = tmp_path / "config.yaml"

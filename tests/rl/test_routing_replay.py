@@ -84,3 +84,34 @@ def test_replay_reproduces_the_rollout_logprobs_after_a_bias_change(replay):
     )
     gap = ((logp - batch.old_logp_NT).abs() * batch.loss_mask_NT).max().item()
     assert (gap < 1e-4) if replay else (gap > 1e-3)
+
+
+def test_replay_is_per_trajectory_when_some_lack_records():
+    """Trajectories with records replay them, those without route live (-1 rows); the replayed
+    share counts the sampled tokens of the former."""
+    model = make_model(torch.float32)
+    group = rollouts(model)
+    for t in group.trajectories[::2]:
+        t.routed_experts = None  # e.g. sampled by a worker that did not record
+    batch = pack([group], pad_token_id=0)
+    has = torch.tensor([bool(t.routed_experts) for t in group.trajectories])
+    assert torch.equal(batch.routed_NT.any(-1), has)
+    assert (batch.routes_NTMK[~has] == -1).all()
+    drifted = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in drifted.model.layers:
+            if layer.is_sparse:
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 1.0)
+    run = learner(drifted, group, replay=True)
+    logp, _, _, _ = run.trunk(
+        batch.input_ids_NT, batch.attention_mask_NT, 1.0, replay_experts=run._replay(batch)
+    )
+    live, _, _, _ = run.trunk(batch.input_ids_NT, batch.attention_mask_NT, 1.0)
+    gap_N = ((logp - batch.old_logp_NT).abs() * batch.loss_mask_NT).amax(-1)
+    assert (gap_N[has] < 1e-4).all() and (gap_N[~has] > 1e-3).all()  # replayed / drifted
+    assert torch.allclose(logp[~has], live[~has], atol=1e-5)  # -1 rows: the live forward
+    mask = batch.loss_mask_NT
+    want = float(mask[has].sum() / mask.sum())
+    assert 0 < want < 1
+    assert run.step()["moe/replayed_share"] == pytest.approx(want)
+    assert learner(drifted, group, replay=False).step()["moe/replayed_share"] == 0.0

@@ -181,6 +181,25 @@ def test_routing_record_and_replay_through_the_model():
     assert torch.equal(again, recorded)
 
 
+def test_sentinel_rows_route_live_like_the_forward_without_replay():
+    """Per-sequence replay: -1 rows (no record) route live, the others replay."""
+    model, tokens = make_model(), ids(2, 10, seed=8)
+    with torch.no_grad():
+        recorded = model(tokens, return_routing=True).routed_experts
+        for layer in model.model.layers:
+            if layer.is_sparse:
+                layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight))
+        live = model(tokens, return_routing=True)
+        replay = recorded.clone().view(recorded.shape[0], 2, 10, -1)
+        replay[:, 1] = -1  # the second sequence has no record
+        mixed = model(tokens, replay_experts=list(replay), return_routing=True)
+    routed = mixed.routed_experts.view_as(replay)
+    assert torch.equal(routed[:, 0], recorded.view_as(replay)[:, 0])
+    assert torch.equal(routed[:, 1], live.routed_experts.view_as(replay)[:, 1])
+    close(mixed.logits[1], live.logits[1], 1e-12)
+    assert not torch.allclose(mixed.logits[0], live.logits[0])
+
+
 def test_loss_and_gradients_reach_every_parameter():
     model = make_model(dtype=torch.float32).train()
     tokens = ids(2, 12, seed=9)

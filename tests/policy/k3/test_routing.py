@@ -142,6 +142,23 @@ def test_replayed_routing_gives_the_router_gradients_on_replayed_experts():
         assert router.weight.grad[recorded[token, slot]].abs().sum() > 0
 
 
+def test_sentinel_rows_route_live_and_the_others_replay():
+    router, x = make_router(), tokens()
+    recorded = router(x).indices_TK
+    with torch.no_grad():
+        router.weight.add_(torch.randn(E, D, dtype=torch.float64) * 0.5)
+    live = router(x)
+    unrecorded = torch.arange(T) % 3 == 0
+    replay = recorded.masked_fill(unrecorded[:, None], -1)
+    mixed = router(x, replay_indices_TK=replay)
+    assert torch.equal(mixed.indices_TK[unrecorded], live.indices_TK[unrecorded])
+    assert torch.equal(mixed.weights_TK[unrecorded], live.weights_TK[unrecorded])
+    assert torch.equal(mixed.indices_TK[~unrecorded], recorded[~unrecorded])
+    assert not torch.equal(live.indices_TK[~unrecorded], recorded[~unrecorded])
+    everything_live = router(x, replay_indices_TK=torch.full_like(recorded, -1))
+    assert torch.equal(everything_live.indices_TK, live.indices_TK)
+
+
 def test_replay_indices_must_match_tokens_and_top_k():
     router, x = make_router(), tokens()
     with pytest.raises(ValueError):
