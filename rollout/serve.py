@@ -6,7 +6,10 @@
       keep their caches and go on under the new version)
     admit: claim tasks from the durable queue (rollout/tasks.py) while there is room for a whole
       group and generation is allowed (the staleness gate); each episode starts fresh or
-      continues from its saved state (env state included; cache rebuilt by prefill)
+      continues from its saved state (env state included; cache rebuilt by prefill). A restore
+      (decode, env reset, replay of the saved tool calls) runs on the loop's tool pool under
+      `tool_timeout_s`; one that raises or times out ends that episode as an env error (its
+      group goes on), never the worker
     one AgentLoop tick (decode step for every generating episode, tools concurrently)
     save episodes that reached a turn boundary; keep finished ones (saved as final)
     a group whose last episode finished: score it, then XADD + XACK in one transaction
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +33,7 @@ from policy.sampling import SamplingParams
 from rollout.agent import AgentLoop, Episode, start_episode
 from rollout.codec import decode_episode, encode_episode
 from rollout.tasks import Task, TaskQueue
-from rollout.types import Trajectory, TrajectoryGroup
+from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
 
 @dataclass(slots=True)
@@ -37,6 +41,18 @@ class _Group:
     task: Task
     done: dict[int, Trajectory] = field(default_factory=dict)
     saved_turns: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Restore:
+    """A saved episode being restored on the tool pool."""
+
+    group: _Group
+    index: int
+    env: Any
+    future: Future | None
+    deadline: float
+    timeout_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,7 +72,13 @@ class AsyncRollouts:
         self.groups: dict[str, _Group] = {}
         self.free_envs: list[Any] = []
         self.finished: list[Trajectory] = []
-        self.counters = {"restored_episodes": 0, "paused_seconds": 0.0, "idle_seconds": 0.0}
+        self.counters = {
+            "restored_episodes": 0,
+            "restore_failures": 0,
+            "paused_seconds": 0.0,
+            "idle_seconds": 0.0,
+        }
+        self.restoring: dict[str, _Restore] = {}
         self.produced_groups = 0
         self.drained_tokens = 0  # loop.generated at the last drain
         self.budget_start = 0
@@ -86,6 +108,7 @@ class AsyncRollouts:
             allowed = may_generate() and (not self._over_budget() or starving())
             if allowed:
                 self._admit()
+            self._collect_restores()
             start = time.monotonic()
             for episode in self.loop.tick(params, decode=allowed):
                 self._finished(episode)
@@ -110,7 +133,8 @@ class AsyncRollouts:
         return True
 
     def _admit(self) -> None:
-        count = self.loop.room(self.opt.max_episodes) // self.opt.group_size
+        room = self.loop.room(self.opt.max_episodes) - len(self.restoring)
+        count = room // self.opt.group_size
         if count <= 0:
             return
         held = frozenset(g.task.entry_id for g in self.groups.values())
@@ -132,22 +156,61 @@ class AsyncRollouts:
     def _start(self, group: _Group, index: int, saved: bytes | None) -> None:
         task, key = group.task, f"{group.task.group_id}/{index}"
         env = self.free_envs.pop() if self.free_envs else self.worker.env_factory()
-        if saved is None:
-            episode = start_episode(
-                env, task.seed, key, f"{self.worker.env_id}#{task.seed}", self.worker.renderer
-            )
-        else:
-            traj, extra = decode_episode(saved)
-            if extra.get("final"):
-                traj.attempt = task.attempt
-                group.done[index] = traj
-                self.free_envs.append(env)
-                return
-            episode = _restore(env, task.seed, key, traj, extra)
-            group.saved_turns[index] = traj.num_turns
-            self.counters["restored_episodes"] += 1
+        if saved is not None:  # restored on the tool pool: see _collect_restores
+            timeout = self.loop.tool_timeout_s
+            r = _Restore(group, index, env, None, time.monotonic() + timeout, timeout)
+            r.future = self.loop.pool.submit(_restore_saved, env, task.seed, key, saved, r)
+            self.restoring[key] = r
+            return
+        episode = start_episode(
+            env, task.seed, key, f"{self.worker.env_id}#{task.seed}", self.worker.renderer
+        )
         episode.traj.traj_id, episode.traj.attempt = key, task.attempt
         self.loop.add(episode)
+
+    def _collect_restores(self) -> None:
+        """Restores that finished join the loop (or their group, when saved as finished); one
+        that raised or ran past `tool_timeout_s` ends its episode as an env error."""
+        now = time.monotonic()
+        for key, r in list(self.restoring.items()):
+            done = r.future.done()
+            if not done and now < r.deadline:
+                continue
+            del self.restoring[key]
+            if not done:
+                self.loop._abandon(r.future)  # a hung restore keeps its thread, not the pool
+                self._restore_failed(key, r, f"timed out after {self.loop.tool_timeout_s:g} s")
+                continue
+            try:
+                restored = r.future.result()
+            except Exception as exc:  # a bad saved episode ends that episode, not the worker
+                self._restore_failed(key, r, f"{type(exc).__name__}: {exc}")
+                continue
+            attempt = r.group.task.attempt
+            if isinstance(restored, Trajectory):  # saved as finished
+                restored.attempt = attempt
+                r.group.done[r.index] = restored
+                self.free_envs.append(r.env)
+                continue
+            r.group.saved_turns[r.index] = restored.traj.num_turns
+            self.counters["restored_episodes"] += 1
+            restored.traj.traj_id, restored.traj.attempt = key, attempt
+            self.loop.add(restored)
+
+    def _restore_failed(self, key: str, r: _Restore, detail: str) -> None:
+        """Finish the episode as an env error (counted, never trained on; its env is not
+        reused) and save it as final, so a later claim of the task does not try again."""
+        task = r.group.task
+        traj = Trajectory(
+            task_id=f"{self.worker.env_id}#{task.seed}",
+            traj_id=key,
+            attempt=task.attempt,
+            status=RolloutStatus.ENV_ERROR,
+            finish_detail=f"restore failed: {detail}",
+        )
+        r.group.done[r.index] = traj
+        self.queue.save_episodes(task.group_id, {r.index: encode_episode(traj, {"final": 1})})
+        self.counters["restore_failures"] += 1
 
     # -- progress ------------------------------------------------------------------------------
     def _finished(self, episode: Episode) -> None:
@@ -232,6 +295,17 @@ def _encode(episode: Episode) -> bytes:
         "turn_versions": list(episode.turn_versions),
     }
     return encode_episode(traj, extra)
+
+
+def _restore_saved(env, seed: int, key: str, saved: bytes, r: _Restore) -> Episode | Trajectory:
+    """Runs on the tool pool: a saved episode, continued (`_restore`), or its trajectory when it
+    was saved as finished. Raises what decoding or the env's replay raises. Once decoded, the
+    replay gets `tool_timeout_s` for each saved turn (each replays at most one turn's calls)."""
+    traj, extra = decode_episode(saved)
+    if extra.get("final"):
+        return traj
+    r.deadline += r.timeout_s * max(traj.num_turns - 1, 0)
+    return _restore(env, seed, key, traj, extra)
 
 
 def _restore(env, seed: int, key: str, traj: Trajectory, extra: dict) -> Episode:

@@ -141,6 +141,7 @@ def _worker_metrics(workers, seconds: float, late: list) -> dict[str, float]:
         "workers/idle_seconds": sum(s.get("idle_seconds", 0.0) for s in stats),
         "workers/paused_seconds": sum(s.get("paused_seconds", 0.0) for s in stats),
         "workers/restored_episodes": sum(s.get("restored_episodes", 0.0) for s in stats),
+        "workers/restore_failures": sum(s.get("restore_failures", 0.0) for s in stats),
         "workers/restarted": sum(s.get("restarts", 0.0) for s in stats),
         "workers/answering": float(len(stats)),
         "workers/sampled_tokens": sum(s.get("sampled_tokens", 0.0) for s in stats),

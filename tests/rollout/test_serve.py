@@ -4,17 +4,22 @@ turns (env state included) under a new attempt, and a token budget pauses and sa
 
 from __future__ import annotations
 
+import threading
+import time
+
 import gymnasium
 
 import envs  # noqa: F401
+from envs.calculator import CalculatorEnv
 from reward import build_reward
-from rollout.agent import AgentLoop
+from rollout.agent import AgentLoop, start_episode
 from rollout.codec import decode_episode, decode_group
 from rollout.episode import EpisodeLimits
 from rollout.keys import RunKeys
 from rollout.render import ChatRenderer
-from rollout.serve import AsyncRollouts, ServeOptions
+from rollout.serve import AsyncRollouts, ServeOptions, _encode
 from rollout.tasks import TaskQueue
+from rollout.types import RolloutStatus
 from rollout.worker import RolloutWorker
 from tests.fakes import ScriptedSession
 from tests.rollout.test_agent import fields, params_for
@@ -24,11 +29,11 @@ KEYS = RunKeys("test")
 STREAM = KEYS.trajectories
 
 
-def make(tokenizer, client, consumer, **options):
+def make(tokenizer, client, consumer, env_factory=None, tool_timeout_s=60.0, **options):
     renderer = ChatRenderer(tokenizer)
     session = ScriptedSession(tokenizer, expert_script(tokenizer))
     worker = RolloutWorker(
-        env_factory=lambda: gymnasium.make("agentrl/Calculator-v0"),
+        env_factory=env_factory or (lambda: gymnasium.make("agentrl/Calculator-v0")),
         env_id="agentrl/Calculator-v0",
         policy=None,
         renderer=renderer,
@@ -36,7 +41,9 @@ def make(tokenizer, client, consumer, **options):
         sink=None,
         limits=EpisodeLimits(),
     )
-    loop = AgentLoop(session, renderer, EpisodeLimits(), deterministic=False)
+    loop = AgentLoop(
+        session, renderer, EpisodeLimits(), tool_timeout_s=tool_timeout_s, deterministic=False
+    )
     queue = TaskQueue(client, KEYS)
     opts = ServeOptions(consumer=consumer, group_size=2, max_episodes=8, **options)
     return AsyncRollouts(worker, queue, loop, opts), queue, renderer
@@ -151,3 +158,80 @@ def test_a_worker_takes_its_share_of_new_tasks_and_all_of_its_own(redis_server):
     assert len(again) == 5 and {t.group_id for t in first} < {t.group_id for t in again}
     assert len(queue.claim("w1", 16, idle_ms=60_000)) == 2 + 1  # one worker: all unread
     assert queue.claim("w2", 16, idle_ms=60_000, workers=2) == []  # none left: none read
+
+
+class ReplayMismatchEnv(CalculatorEnv):
+    """A non-deterministic tool, as a restore sees it: replaying the saved actions fails."""
+
+    def set_state(self, state):
+        raise ValueError("replaying the saved actions gave a different transcript")
+
+
+class HangingRestoreEnv(CalculatorEnv):
+    """A replayed tool that hangs (until the test releases it)."""
+
+    release = threading.Event()
+
+    def set_state(self, state):
+        self.release.wait(10)
+        super().set_state(state)
+
+
+def saved_at_start(renderer, seed):
+    """A saved unfinished episode as a worker writes it (at its first turn)."""
+    env = gymnasium.make("agentrl/Calculator-v0")
+    episode = start_episode(env, seed, "g0/0", f"agentrl/Calculator-v0#{seed}", renderer)
+    return _encode(episode)
+
+
+def produce_with_a_bad_restore(tokenizer, client, saved, **options):
+    """Task g0 whose episode 0 was saved as `saved`: run a worker until the group is produced;
+    returns it, the worker's drained counters and the seconds it took."""
+    serve, queue, renderer = make(tokenizer, client, "w0", **options)
+    queue.issue([("g0", 3)])
+    queue.save_episodes("g0", {0: saved(renderer) if callable(saved) else saved})
+    start = time.monotonic()
+    run_for(serve, renderer, until=lambda: client.xlen(STREAM) == 1)  # never raises
+    seconds = time.monotonic() - start
+    (group,) = groups_in(client).values()
+    finished, counters = serve.drain()
+    assert queue.backlog() == 0 and queue.produced() == {"g0": 1}
+    assert [t.traj_id for t in group.trajectories] == ["g0/0", "g0/1"]
+    bad, good = group.trajectories
+    assert bad.status is RolloutStatus.ENV_ERROR and "restore failed" in bad.finish_detail
+    assert good.success and good.resumed == 0  # the group's other episode went on
+    assert sum(t.status is RolloutStatus.ENV_ERROR for t in finished) == 1
+    assert counters["restore_failures"] == 1 and counters["restored_episodes"] == 0
+    return bad, seconds
+
+
+def test_a_saved_episode_that_cannot_be_decoded_is_an_env_error(tokenizer, redis_server):
+    bad, _ = produce_with_a_bad_restore(tokenizer, redis_server.client(), b"\x00garbage\xff")
+    assert "CodecError" in bad.finish_detail
+
+
+def test_a_restore_whose_replay_raises_is_an_env_error(tokenizer, redis_server):
+    client = redis_server.client()
+    bad, _ = produce_with_a_bad_restore(
+        tokenizer,
+        client,
+        lambda renderer: saved_at_start(renderer, 3),
+        env_factory=lambda: ReplayMismatchEnv(difficulty=1, max_turns=4),
+    )
+    assert "different transcript" in bad.finish_detail
+
+
+def test_a_restore_that_hangs_times_out_as_an_env_error(tokenizer, redis_server):
+    client = redis_server.client()
+    HangingRestoreEnv.release.clear()
+    try:
+        bad, seconds = produce_with_a_bad_restore(
+            tokenizer,
+            client,
+            lambda renderer: saved_at_start(renderer, 3),
+            env_factory=lambda: HangingRestoreEnv(difficulty=1, max_turns=4),
+            tool_timeout_s=0.3,
+        )
+    finally:
+        HangingRestoreEnv.release.set()  # frees the pool thread
+    assert "timed out after 0.3 s" in bad.finish_detail and 0.3 <= seconds < 3
