@@ -38,6 +38,7 @@ from rl.learner.stats import (
     share_rows,
     staleness_metrics,
     step_metrics,
+    trained_outcomes,
 )
 from rollout.types import TrajectoryGroup
 
@@ -158,6 +159,7 @@ class Learner:
                 time.perf_counter() - start
             )
             metrics["learner/trajectories"] = float(batch.size)
+            metrics.update(trained_outcomes(groups))
         else:  # nothing carries signal: no update; the groups are consumed (counted as dropped)
             self.skipped_steps += 1
         if self.shard.leader:

@@ -125,3 +125,18 @@ def largest(shard: Shard, value: float) -> float:
     buffer = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
     return float(buffer)
+
+
+def trained_outcomes(groups: list) -> dict[str, float]:
+    """Reward (mean, std) and success of the trajectories a step trained on: what the console
+    shows when no rollout finished during the step (the first async step after a resume trains
+    on groups buffered before the crash)."""
+    trajs = [t for g in groups for t in g.trajectories if t.trainable]
+    if not trajs:
+        return {}
+    rewards = torch.tensor([float(t.reward) for t in trajs], dtype=torch.float64)
+    return {
+        "learner/reward_mean": float(rewards.mean()),
+        "learner/reward_std": float(rewards.std(unbiased=False)),
+        "learner/success_rate": sum(bool(t.success) for t in trajs) / len(trajs),
+    }

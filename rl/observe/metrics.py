@@ -178,9 +178,18 @@ def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
 def console_line(step: int, steps: int, m: dict[str, float]) -> str:
     nan = float("nan")
     g = lambda key: m.get(key, nan)  # noqa: E731  (a skipped update has no learner metrics)
+    if "rollout/success_rate" in m or "learner/success_rate" not in m:
+        outcome = (
+            f"reward {g('reward/mean'):.2f}±{g('reward/std'):.2f} "
+            f"| success {g('rollout/success_rate'):.0%}"
+        )
+    else:  # no episode finished during the step (async, right after a resume): what it trained
+        outcome = (
+            f"trained reward {g('learner/reward_mean'):.2f}±{g('learner/reward_std'):.2f} "
+            f"| trained success {g('learner/success_rate'):.0%}"
+        )
     line = (
-        f"step {step:>3}/{steps} | reward {g('reward/mean'):.2f}±{g('reward/std'):.2f} "
-        f"| success {g('rollout/success_rate'):.0%} | tools {g('rollout/tool_call_rate'):.0%} "
+        f"step {step:>3}/{steps} | {outcome} | tools {g('rollout/tool_call_rate'):.0%} "
         f"(err {g('rollout/tool_error_rate'):.0%}) | len {g('rollout/response_length'):.0f} "
         f"| ent {g('learner/entropy'):.3f} | clip {g('learner/clip_fraction'):.3f} "
         f"| kl {g('learner/approx_kl'):.1e} | gnorm {g('learner/grad_norm'):.2f} "

@@ -77,3 +77,33 @@ def test_each_evaluation_has_its_own_tensorboard_tag_and_jsonl_keys(tmp_path):
     assert [eval_values(r) for r in records] == [(0.5, 0.4, 0.6)] * 4
     old = {"eval/label": "sft", "eval/mode": "greedy", "eval/success": 1.0}
     assert eval_values({**old, "eval/ci_low": 0.9, "eval/ci_high": 1.0}) == (1.0, 0.9, 1.0)
+
+
+def test_a_step_with_no_finished_episode_shows_what_it_trained():
+    """The first async step after a resume trains on groups buffered before the crash: no
+    episode finished during it, so the console shows the trained batch, not `reward nan`."""
+    from rl.learner.stats import trained_outcomes
+    from rl.observe.metrics import console_line
+    from rollout.types import Trajectory, TrajectoryGroup
+
+    def traj(reward: float, success: bool) -> Trajectory:
+        return Trajectory(
+            task_id="t#1",
+            token_ids=[1, 2, 3],
+            loss_mask=[0, 1, 1],
+            reward=reward,
+            outcome={"success": success},
+        )
+
+    trajs = [traj(1.0, True), traj(0.0, False), traj(1.0, True)]
+    group = TrajectoryGroup(group_id="g", task_id="t#1", trajectories=trajs)
+    trained = trained_outcomes([group])
+    assert trained["learner/success_rate"] == 2 / 3
+    line = console_line(1, 10, {"learner/grad_norm": 0.5, **trained})
+    assert (
+        "trained reward 0.67±0.47 | trained success 67%" in line and "nan" not in line.split("|")[1]
+    )
+    usual = console_line(
+        2, 10, {"reward/mean": 0.5, "reward/std": 0.5, "rollout/success_rate": 0.5, **trained}
+    )
+    assert "| reward 0.50±0.50 | success 50%" in usual and "trained" not in usual
