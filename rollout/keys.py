@@ -13,6 +13,10 @@ name). `RunKeys(run_id)` names each of them; product code asks it instead of bui
     :produced                hash    group id -> times completed: the workers
                                      (TaskQueue.complete) -> TaskQueue.produced, the chaos books
                                      (tests/chaos/books.py)
+    :trimmed                 hash    what the checkpoint trim deleted (rollout/books.py):
+                                     "below" (the fields of task groups t0..t<below - 1> are
+                                     gone from :attempts and :produced), "produced" (the sum of
+                                     the :produced counts deleted) -> the chaos books
     :episodes:<group id>     hash    episode index -> a saved unfinished episode: the workers
                                      (TaskQueue.save_episodes; deleted by complete) -> a worker
                                      retrying the task (TaskQueue.saved_episodes)
@@ -23,7 +27,10 @@ name). `RunKeys(run_id)` names each of them; product code asks it instead of bui
                                      workers' staleness gate (the group's lag, rl/run/serving.py),
                                      the driver's redis metrics (rl/observe/metrics.py)
     :trajectories:dead       stream  entries the learner cannot decode, with the reason
-                                     (RedisGroupReader) -> people and tests
+                                     (RedisGroupReader) -> people and tests; trimmed at each
+                                     async checkpoint (rollout/books.py)
+    :trajectories:dead:count string  dead letters so far (INCR with each; kept by the trim)
+                                     -> the metric stream/dead_letters (rl/observe/metrics.py)
     :metrics                 stream  metrics.jsonl records: the driver (rl/observe/metrics.py
                                      MetricsLogger) -> `agentrl monitor --redis`
                                      (rl/observe/monitor.py RedisSource)
@@ -52,6 +59,11 @@ LEARNER_GROUP = "learner"
 def dead_letter_stream(stream: str) -> str:
     """Where a consumer of `stream` puts entries it cannot decode."""
     return f"{stream}:dead"
+
+
+def dead_letter_count(stream: str) -> str:
+    """How many entries of `stream` went to its dead letters (a counter the trim keeps)."""
+    return f"{dead_letter_stream(stream)}:count"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +106,14 @@ class RunKeys:
     @property
     def dead_letters(self) -> str:
         return dead_letter_stream(self.trajectories)
+
+    @property
+    def dead_letter_count(self) -> str:
+        return dead_letter_count(self.trajectories)
+
+    @property
+    def trimmed(self) -> str:
+        return self._key("trimmed")
 
     @property
     def metrics(self) -> str:

@@ -75,6 +75,7 @@ class AsyncRollouts:
         self.counters = {
             "restored_episodes": 0,
             "restore_failures": 0,
+            "refused_groups": 0,
             "paused_seconds": 0.0,
             "idle_seconds": 0.0,
         }
@@ -258,10 +259,14 @@ class AsyncRollouts:
             trajs = [group.done[i] for i in range(self.opt.group_size)]
             for traj in trajs:
                 self.worker._score(traj)
-            self.queue.complete(
+            produced = self.queue.complete(
                 group.task,
                 TrajectoryGroup(group_id=group_id, task_id=trajs[0].task_id, trajectories=trajs),
+                consumer=self.opt.consumer,
             )
+            if produced is None:  # another worker took the task over: it produces the group
+                self.counters["refused_groups"] += 1
+                continue
             self.finished.extend(trajs)
             self.produced_groups += 1
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import redis
 
 from rollout.codec import CodecError, decode_group, encode_group
-from rollout.keys import dead_letter_stream
+from rollout.keys import dead_letter_count, dead_letter_stream
 from rollout.types import TrajectoryGroup
 
 FIELD = b"group"
+GROUP_ID = b"group_id"
+"""The group's id in plain text beside its payload: a dead letter still names its group."""
 
 
 class RedisTrajectoryStream:
@@ -26,7 +28,9 @@ class RedisTrajectoryStream:
         self.stream = stream
 
     def put(self, group: TrajectoryGroup) -> str:
-        entry = self.client.xadd(self.stream, {FIELD: encode_group(group)})
+        entry = self.client.xadd(
+            self.stream, {FIELD: encode_group(group), GROUP_ID: group.group_id}
+        )
         return entry.decode() if isinstance(entry, bytes) else entry
 
 
@@ -36,6 +40,8 @@ class RedisGroupReader:
     def __init__(self, client: redis.Redis, stream: str, *, group: str, consumer: str):
         self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
         self.dead_letters = 0
+        self.dead_ids: list[str] = []
+        """Group ids of dead letters not yet taken (`take_dead_letters`)."""
         self.held: set[str] = set()
         """Entries returned by `read` and not acked yet."""
         try:
@@ -71,13 +77,22 @@ class RedisGroupReader:
         return out
 
     def _dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
-        """A poison entry goes to `<stream>:dead` (rollout/keys.py) with the reason and never
-        blocks the group."""
-        self.client.xadd(
-            dead_letter_stream(self.stream), {**fields, b"reason": reason, b"id": entry_id}
-        )
-        self.client.xack(self.stream, self.group, entry_id)
+        """A poison entry goes to `<stream>:dead` (rollout/keys.py) with the reason, counted,
+        and never blocks the group; its group id (when the entry names one) is handed to the
+        learner, which fails it in the ledger."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(dead_letter_stream(self.stream), {**fields, b"reason": reason, b"id": entry_id})
+        pipe.xack(self.stream, self.group, entry_id)
+        pipe.incr(dead_letter_count(self.stream))
+        pipe.execute()
         self.dead_letters += 1
+        if fields.get(GROUP_ID):
+            self.dead_ids.append(_text(fields[GROUP_ID]))
+
+    def take_dead_letters(self) -> list[str]:
+        """The group ids of the entries dead-lettered since the last call."""
+        out, self.dead_ids = self.dead_ids, []
+        return out
 
     def ack(self, entry_ids: list[str]) -> int:
         self.held.difference_update(entry_ids)
@@ -118,6 +133,13 @@ class RedisGroupReader:
 
     def pending(self) -> int:
         return int(self.client.xpending(self.stream, self.group)["pending"])
+
+
+def dead_letter_total(client: redis.Redis, stream: str) -> int:
+    """Entries of `stream` dead-lettered so far, trimmed ones included (a run from before the
+    counter: the dead-letter stream's length)."""
+    counted = int(client.get(dead_letter_count(stream)) or 0)
+    return max(counted, int(client.xlen(dead_letter_stream(stream))))
 
 
 def _text(value) -> str:

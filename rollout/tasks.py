@@ -2,11 +2,14 @@
 
 The driver XADDs tasks (a group id and an env seed) to a task stream; rollout workers read them
 through the consumer group "workers". A task stays pending in that group until the worker that
-holds it finishes its whole group, and then one MULTI/EXEC does everything at once: XADD the
-trajectory group, XACK the task, count the group as produced, delete its saved episodes. A
-worker that dies leaves its tasks pending: it reclaims them when Ray restarts it, and any other
-worker takes them over (XAUTOCLAIM) once they have been idle `claim_idle_ms`; live workers keep
-their own tasks fresh (XCLAIM JUSTID, a heartbeat). Every claim counts an attempt.
+holds it finishes its whole group, and then one Lua script does everything at once, only while
+that worker still owns the pending entry: XADD the trajectory group, XACK the task, count the
+group as produced, delete its saved episodes. A worker that dies leaves its tasks pending: it
+reclaims them when Ray restarts it, and any other worker takes them over (XAUTOCLAIM) once they
+have been idle `claim_idle_ms`; live workers keep their own tasks fresh (XCLAIM JUSTID, a
+heartbeat). A slow worker whose task was taken over finishes in vain: its `complete` is refused,
+so a group is never produced twice. Every claim counts an attempt. At each async checkpoint the
+finished part of these books is trimmed (rollout/books.py).
 
 Unfinished episodes are saved at turn boundaries (and when a worker pauses for its token
 budget) in a hash per group (`rollout/codec.py encode_episode`: tokens, per-token versions,
@@ -23,7 +26,22 @@ import redis
 from rollout.codec import encode_group
 from rollout.keys import WORKER_GROUP as GROUP
 from rollout.keys import RunKeys
+from rollout.stream import FIELD, GROUP_ID
 from rollout.types import TrajectoryGroup
+
+COMPLETE = """
+local held = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #held == 0 or held[1][2] ~= ARGV[3] then return false end
+local entry = redis.call('XADD', KEYS[2], '*', ARGV[6], ARGV[4], ARGV[7], ARGV[5])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[3], ARGV[5], 1)
+redis.call('DEL', KEYS[4])
+return entry
+"""
+"""KEYS: tasks, trajectories, produced, the group's saved episodes; ARGV: worker group, task
+entry id, consumer, encoded group, group id, the two field names. Nil when `consumer` does not
+own the pending task (another worker took it over, or it was acked)."""
+_FIELDS = (FIELD, GROUP_ID)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +57,7 @@ class TaskQueue:
 
     def __init__(self, client: redis.Redis, keys: RunKeys) -> None:
         self.client, self.keys = client, keys
+        self._complete = client.register_script(COMPLETE)
         try:
             self.client.xgroup_create(self.keys.tasks, GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -142,16 +161,21 @@ class TaskQueue:
                 self.keys.tasks, GROUP, consumer, 0, [t.entry_id for t in tasks], justid=True
             )
 
-    def complete(self, task: Task, group: TrajectoryGroup) -> str:
-        """Atomically: the group into the trajectory stream, the task acked, counted, its saved
-        episodes deleted. Returns the trajectory stream entry id."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.trajectories, {b"group": encode_group(group)})
-        pipe.xack(self.keys.tasks, GROUP, task.entry_id)
-        pipe.hincrby(self.keys.produced, group.group_id, 1)
-        pipe.delete(self.keys.episodes(group.group_id))
-        entry = pipe.execute()[0]
-        return _text(entry)
+    def complete(self, task: Task, group: TrajectoryGroup, *, consumer: str) -> str | None:
+        """Atomically, if `consumer` still owns the pending task: the group into the trajectory
+        stream, the task acked, counted, its saved episodes deleted. Returns the trajectory
+        stream entry id, or None when refused (another worker took the task over after
+        `claim_idle_ms`, or it was issued again: that one produces the group)."""
+        entry = self._complete(
+            keys=[
+                self.keys.tasks,
+                self.keys.trajectories,
+                self.keys.produced,
+                self.keys.episodes(group.group_id),
+            ],
+            args=[GROUP, task.entry_id, consumer, encode_group(group), group.group_id, *_FIELDS],
+        )
+        return None if entry is None else _text(entry)
 
     # -- saved episodes ------------------------------------------------------------------------
     def save_episodes(self, group_id: str, episodes: dict[int, bytes]) -> None:

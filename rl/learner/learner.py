@@ -27,7 +27,8 @@ from rl.learner.advantages import gae
 from rl.learner.algorithms import algorithm_for
 from rl.learner.batch import TrainBatch, pack, spread_turn_values
 from rl.learner.distributed import Shard
-from rl.learner.ledger import new_entry, note, sort_groups
+from rl.learner.group_ids import GroupIds
+from rl.learner.ledger import group_ids, new_entry, note, sort_groups
 from rl.learner.losses import LossStats, Normalizers, policy_loss, value_loss
 from rl.learner.stats import (
     average,
@@ -100,8 +101,9 @@ class Learner:
         self.nonfinite_in_a_row = 0
         """Steps in a row whose every optimizer step had a NaN/Inf gradient (not checkpointed)."""
         self.last_acked = "0-0"
-        self.trained: set[str] = set()
-        """Group ids trained so far (checkpointed): a redelivered copy is never trained again."""
+        self.trained = GroupIds()
+        """Group ids with a ledger entry so far: trained, filtered or failed (checkpointed;
+        rl/learner/ledger.py): a redelivered copy is never trained again."""
         self.ledger = new_entry()
         self.last_groups: list[TrajectoryGroup] = []
         """The groups of the last step, trained or not (for rl/observe/trajlog.py's records)."""
@@ -121,6 +123,8 @@ class Learner:
                     "are the rollout workers alive?"
                 )
             entries = self.source.read(want - len(groups), block_ms=min(left_ms, 1000))
+            for group_id in _dead_letters(self.source):  # undecodable: failed, never retried
+                note(self.ledger, "failed", "undecodable", group_id)
             if entries:  # the stream is alive (duplicates included): restart the silence timer
                 deadline = time.monotonic() + self.cfg.read_timeout_s
             for entry_id, group in entries:
@@ -147,7 +151,6 @@ class Learner:
         groups = sort_groups(groups, drop_flat=self.algo.drop_flat_groups, entry=self.ledger)
         dropped = count - len(groups)
         self.dropped_groups += dropped
-        self.trained.update(self.ledger["trained"])
         metrics = {"learner/dropped_groups": float(dropped), "learner/wait_seconds": wait}
         if groups:
             batch = pack(groups, pad_token_id=self.pad_token_id, advantages=self.algo.advantages)
@@ -162,6 +165,7 @@ class Learner:
             metrics.update(trained_outcomes(groups))
         else:  # nothing carries signal: no update; the groups are consumed (counted as dropped)
             self.skipped_steps += 1
+        self.trained.update(group_ids(self.ledger))  # (a failed step settles nothing)
         if self.shard.leader:
             self.source.ack(entry_ids)  # only after the step: a crash before leaves them pending
             self.last_acked = max(entry_ids, key=_entry_key, default=self.last_acked)
@@ -182,7 +186,6 @@ class Learner:
         after `trainer.max_skipped_steps` such steps in a row (rl/run/failures.py)."""
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
         if skipped:
-            self.trained.difference_update(self.ledger["trained"])
             for group_id in self.ledger["trained"]:
                 note(self.ledger, "failed", "non-finite gradient", group_id)
             self.ledger["trained"] = []
@@ -477,6 +480,13 @@ def _turn_rewards(batch: TrainBatch) -> torch.Tensor:
     rows = torch.arange(batch.size, device=count_N.device)[count_N > 0]
     last_NK[rows, count_N[count_N > 0] - 1] = 1
     return last_NK * batch.rewards_N[:, None]
+
+
+def _dead_letters(source) -> list[str]:
+    """Group ids of the entries the source sent to its dead letters since the last call (a
+    source that has none, like the tests' in-memory ones, has no `take_dead_letters`)."""
+    take = getattr(source, "take_dead_letters", None)
+    return take() if take is not None else []
 
 
 def _entry_key(entry_id: str) -> tuple[int, int]:

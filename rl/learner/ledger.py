@@ -2,13 +2,17 @@
 
 Every group that reaches the learner ends in exactly one ledger entry:
 
-    trained    packed into an optimizer step (its id joins the learner's trained set, which is
-               saved in every checkpoint, so a redelivered copy is never trained again)
-    filtered   {"duplicate": a group id already trained (a retried task whose first attempt
-               also arrived), "flat": DAPO's filter, all rewards equal}
+    trained    packed into an optimizer step
+    filtered   {"duplicate": a group id already in the ledger (a retried task whose first
+               attempt also arrived), "flat": DAPO's filter, all rewards equal}
     failed     {"no trainable trajectory": every episode ended in an env or grader error,
                "non-finite gradient": every optimizer step of its batch had a NaN/Inf gradient
-               and was skipped (the weights did not change)}
+               and was skipped (the weights did not change), "undecodable": its stream entry
+               could not be decoded and went to the dead letters (rollout/stream.py)}
+
+Every id with an entry joins the learner's trained set (`Learner.trained`, a
+rl/learner/group_ids.py GroupIds: a watermark plus a sparse set per id family), which is saved
+in every checkpoint, so a redelivered copy is never trained again.
 
 The driver appends one line per step to `<run>/ledger.jsonl` (cut back to the checkpoint on
 resume, like metrics.jsonl), so produced = trained + filtered + failed + still buffered can be
@@ -31,6 +35,15 @@ def new_entry() -> dict:
 
 def note(entry: dict, kind: str, reason: str, group_id: str) -> None:
     entry[kind].setdefault(reason, []).append(group_id)
+
+
+def group_ids(entry: dict) -> list[str]:
+    """Every group id the entry settles: trained, filtered or failed."""
+    return [
+        *entry["trained"],
+        *(g for ids in entry["filtered"].values() for g in ids),
+        *(g for ids in entry["failed"].values() for g in ids),
+    ]
 
 
 def sort_groups(

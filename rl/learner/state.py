@@ -16,7 +16,8 @@ default FileSystemWriter's torch.save'd tensors are avoided). Everything that is
 (counters, trained group ids, optimizer hyperparameters, Python's RNG) is JSON:
 
     learner/                    DCP: "model.<fqn>" weights, "optim.<fqn>.<key>" AdamW state
-    learner.json                rank 0: version, counters, trained ids, last acked entry,
+    learner.json                rank 0: version, counters, trained ids (watermarks plus
+                                sparse ids, rl/learner/group_ids.py), last acked entry,
                                 optimizer param_groups and non-tensor state, writer's W and P
     rng-rank<r>.safetensors     rank r: torch RNG, micro-batch order generator
     rng-rank<r>.json            rank r: Python's random state
@@ -53,6 +54,7 @@ from rl.learner.checkpoint import (
     write_tensors,
 )
 from rl.learner.distributed import local
+from rl.learner.group_ids import GroupIds
 
 DCP_DIR = "learner"
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=True)
@@ -76,7 +78,7 @@ def save_learner(learner, directory: Path) -> None:
                 "skipped_steps": learner.skipped_steps,
                 "dropped_groups": learner.dropped_groups,
                 "last_acked": learner.last_acked,
-                "trained": sorted(learner.trained),
+                "trained": learner.trained.to_json(),
                 "world": learner.shard.world,
                 "ep_size": learner.shard.ep_size,
                 "value_head": learner.value_head is not None,
@@ -104,7 +106,7 @@ def load_learner(learner, directory: Path, *, rng: bool = True) -> None:
     if rng:  # the negative control of the resume test turns this off
         _load_rng(learner, directory)
     learner.version, learner.last_acked = meta["version"], meta["last_acked"]
-    learner.trained = set(meta.get("trained", []))
+    learner.trained = GroupIds.from_json(meta.get("trained", []))  # older: a plain list
     learner.skipped_steps, learner.dropped_groups = meta["skipped_steps"], meta["dropped_groups"]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import redis
 
 from rl.observe.trackers import tracker_metrics
+from rollout.stream import dead_letter_total
 
 
 class MetricsLogger:
@@ -117,12 +118,14 @@ def push_metrics(push: dict) -> dict[str, float]:
 
 def redis_metrics(client, stream: str) -> dict[str, float]:
     """Entries left in the trajectory stream (bounded: consumed entries are trimmed after each
-    checkpoint) and the Redis server's memory."""
+    checkpoint), the Redis server's memory, and the run's dead letters so far (entries the
+    learner could not decode, rollout/stream.py; trimmed ones included)."""
     if client is None:
         return {}
     return {
         "redis/stream_entries": float(client.xlen(stream)),
         "redis/used_memory_mb": client.info("memory")["used_memory"] / 2**20,
+        "stream/dead_letters": float(dead_letter_total(client, stream)),
     }
 
 

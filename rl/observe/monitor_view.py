@@ -274,6 +274,7 @@ def workers(state: MonitorState, now: float) -> RenderableType:
         ("learner/skipped_steps", "skipped learner steps"),
         ("redis/stream_entries", "trajectory stream entries"),
         ("redis/used_memory_mb", "Redis memory (MB)"),
+        ("stream/dead_letters", "dead letters (undecodable groups, run total)"),
     ):
         table.add_row(label, _fmt(last.get(key), ".4g"))
     alarms = [*state.alarms, *filter(None, [state.stalled(now)])]

@@ -13,7 +13,8 @@ the slowest episode.
     push weights (staged by the workers);
       publish the learner version
     metrics, ledger line, checkpoint (then
-      trim the consumed stream entries)
+      trim the consumed stream entries and
+      the finished books: rollout/books.py)
 
 Tasks live in a Redis stream (AOF, fsync always), so a resume finds every task that was issued:
 the ones a dead worker held are issued again (their episodes continue from the saved turns).
@@ -30,14 +31,20 @@ import numpy as np
 import ray
 from tqdm import tqdm
 
+from rl.learner.checkpoint import read_json
+from rl.learner.group_ids import GroupIds
 from rl.observe.evaluate import EVAL_SEED_OFFSET
 from rl.observe.metrics import rollout_metrics
 from rl.run.build import sampling
 from rl.run.step import StepTail
+from rollout.books import trim_books
 from rollout.keys import RunKeys
 from rollout.tasks import TaskQueue
 
 logger = logging.getLogger(__name__)
+
+TASK_FAMILY = "t"
+"""Task i's group id is `t<i>` (rl/learner/group_ids.py keeps a watermark per such family)."""
 
 
 def task_seed(run_seed: int, index: int) -> int:
@@ -63,7 +70,7 @@ class Feeder:
         start = self.issued()
         if start >= allowed:
             return 0
-        tasks = [(f"t{i}", task_seed(self.cfg.seed, i)) for i in range(start, allowed)]
+        tasks = [(f"{TASK_FAMILY}{i}", task_seed(self.cfg.seed, i)) for i in range(start, allowed)]
         self.queue.issue(tasks)
         self.client.set(self.issued_key, allowed)
         return len(tasks)
@@ -79,6 +86,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
     serving = [w.serve.remote(sampling(cfg.rollout, renderer)) for w in workers]
     bar = tqdm(total=t.steps, initial=state.step, desc=f"{t.algorithm.upper()} async", unit="step")
     tail = StepTail(cfg, run_dir, learner, workers, renderer, log, state, bar)
+    tail.on_checkpoint = lambda path: trim_at_checkpoint(client, keys, path)
     late: list = []  # workers' counters that did not answer in time: read at the next step
     try:
         for step in range(state.step + 1, t.steps + 1):
@@ -100,6 +108,16 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
         for w in workers:
             w.stop_serving.remote()
         ray.wait(serving, num_returns=len(serving), timeout=60)
+
+
+def trim_at_checkpoint(client, keys: RunKeys, checkpoint: Path) -> dict[str, int]:
+    """The books below the committed checkpoint's trained watermark (rollout/books.py): read
+    from its learner.json, which is what a resume from it restores."""
+    trained = GroupIds.from_json(read_json(checkpoint / "learner.json").get("trained", []))
+    below = trained.watermark(TASK_FAMILY)
+    trimmed = trim_books(client, keys, family=TASK_FAMILY, below=below)
+    logger.debug(f"books trimmed below {TASK_FAMILY}{below} at {checkpoint.name}: {trimmed}")
+    return trimmed
 
 
 def _check_serving(serving: list) -> None:
@@ -142,6 +160,7 @@ def _worker_metrics(workers, seconds: float, late: list) -> dict[str, float]:
         "workers/paused_seconds": sum(s.get("paused_seconds", 0.0) for s in stats),
         "workers/restored_episodes": sum(s.get("restored_episodes", 0.0) for s in stats),
         "workers/restore_failures": sum(s.get("restore_failures", 0.0) for s in stats),
+        "workers/refused_groups": sum(s.get("refused_groups", 0.0) for s in stats),
         "workers/restarted": sum(s.get("restarts", 0.0) for s in stats),
         "workers/answering": float(len(stats)),
         "workers/sampled_tokens": sum(s.get("sampled_tokens", 0.0) for s in stats),

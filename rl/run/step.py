@@ -6,6 +6,7 @@ and, every `eval.every` steps, a held-out evaluation."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,8 @@ class StepTail:
     log: MetricsLogger
     state: RunState
     bar: tqdm
+    on_checkpoint: Callable[[Path], object] | None = None
+    """Called with each committed checkpoint's directory (async mode trims its books)."""
     detector: CollapseDetector = field(init=False)
 
     def __post_init__(self) -> None:
@@ -83,9 +86,11 @@ class StepTail:
             self.evaluate(step, stage)
         every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if step == cfg.trainer.steps or every or checkpoint:
-            save_checkpoint(
+            path = save_checkpoint(
                 self.run_dir, self.state, self.learner, keep_last=cfg.checkpoint.keep_last
             )
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(path)
         if "rollout/success_rate" in metrics:
             self.bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
         self.bar.update(1)

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from rl.run.launch import start_redis
+from rollout.books import trimmed
 from rollout.codec import decode_group
 from rollout.keys import LEARNER_GROUP, WORKER_GROUP, RunKeys
 
@@ -27,6 +28,7 @@ def account(run_dir: Path) -> dict:
         c = server.client()
         keys = RunKeys(run_dir.name)  # the run id is the run directory's name
         produced = {k.decode(): int(v) for k, v in c.hgetall(keys.produced).items()}
+        below, gone = trimmed(c, keys)  # the checkpoint trim's share (rollout/books.py)
         stream = keys.trajectories
         (learner,) = [g for g in c.xinfo_groups(stream) if g["name"].decode() == LEARNER_GROUP]
         last = learner["last-delivered-id"].decode()
@@ -47,6 +49,7 @@ def account(run_dir: Path) -> dict:
         server.stop()
     return {
         "produced": produced,
+        "trimmed": {"ids": {f"t{i}" for i in range(below)}, "produced": gone},
         "trained": trained,
         "filtered": filtered,
         "failed": failed,
@@ -62,8 +65,17 @@ def _id(entry: bytes) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+def produced_total(books: dict) -> int:
+    """Groups produced, counting the copies whose :produced fields the trim deleted."""
+    return sum(books["produced"].values()) + books["trimmed"]["produced"]
+
+
+def produced_ids(books: dict) -> set[str]:
+    return set(books["produced"]) | books["trimmed"]["ids"]
+
+
 def books_line(books: dict) -> str:
-    produced = sum(books["produced"].values())
+    produced = produced_total(books)
     kept = len(books["trained"]) + len(books["filtered"]) + len(books["failed"])
     lost = produced - kept - len(books["buffered"])
     return (
@@ -78,12 +90,12 @@ def check_books(books: dict, steps: int, scenario: str = "") -> None:
     """Print the books line; assert 0 lost, none trained twice, every issued task somewhere,
     and a ledger line for each of steps 1..`steps` (no gap, no duplicate after a resume)."""
     print(f"[{scenario}] " * bool(scenario) + books_line(books))
-    produced = sum(books["produced"].values())
+    produced = produced_total(books)
     kept = len(books["trained"]) + len(books["filtered"]) + len(books["failed"])
     assert books["steps"] == list(range(1, steps + 1))
     assert not [g for g, n in Counter(books["trained"]).items() if n > 1]  # never twice
     assert produced - kept - len(books["buffered"]) == 0  # lost
     accounted = set(books["trained"]) | set(books["filtered"]) | set(books["failed"])
-    assert set(books["produced"]) == accounted | set(books["buffered"])
+    assert produced_ids(books) == accounted | set(books["buffered"])
     issued = {f"t{i}" for i in range(books["issued"])}
-    assert issued == set(books["produced"]) | books["in_flight"]  # every task is somewhere
+    assert issued == produced_ids(books) | books["in_flight"]  # every task is somewhere

@@ -54,6 +54,23 @@ def test_resume_reproduces_the_uninterrupted_weights(tiny_model, tmp_path, algor
     assert resumed(rng=False) != expected  # the test can fail: the RNG state matters
 
 
+def test_trained_ids_load_from_the_compact_form_and_from_an_old_plain_list(tiny_model, tmp_path):
+    one = learner(copy.deepcopy(tiny_model), batches(tiny_model, 4))
+    one.step(), one.step()
+    tmp = ckpt.staging_dir(tmp_path, 2)
+    one.save(tmp)
+    meta = ckpt.read_json(tmp / "learner.json")
+    assert isinstance(meta["trained"], dict) and len(one.trained) == 4
+    again = learner(copy.deepcopy(tiny_model), [])
+    again.load(tmp)
+    assert again.trained == one.trained
+    meta["trained"] = sorted(f"{100 + i}#{i}" for i in range(4))  # learner.json before
+    ckpt.write_json(tmp / "learner.json", meta)
+    old = learner(copy.deepcopy(tiny_model), [])
+    old.load(tmp)
+    assert old.trained == one.trained and "101#1" in old.trained and "101#2" not in old.trained
+
+
 def test_incomplete_and_corrupt_checkpoints_are_refused(tiny_model, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint"):
         ckpt.latest(tmp_path)

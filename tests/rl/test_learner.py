@@ -151,6 +151,20 @@ def test_a_second_copy_of_a_trained_group_is_filtered_not_trained(tiny_model):
     assert learner.ledger["trained"] == ["7"] and source.acked == ["0-0", "1-0", "2-0"]
 
 
+def test_every_group_in_the_ledger_joins_the_trained_set(tiny_model):
+    """Failed and filtered groups settle like trained ones (a copy is never trained later), so
+    the set's watermarks advance past them; a dead-lettered entry's group is failed."""
+    model = copy.deepcopy(tiny_model)
+    errored = make_group(model, [1.0, 0.0, 1.0, 0.0], seed=4, status=RolloutStatus.ENV_ERROR)
+    learner, source = learner_for(model, [errored, make_group(model, [1.0, 0.0] * 2, seed=5)])
+    source.dead = ["t9"]
+    source.take_dead_letters = lambda: [source.dead.pop()] if source.dead else []
+    learner.step()
+    assert learner.ledger["failed"] == {"undecodable": ["t9"], "no trainable trajectory": ["4#0"]}
+    assert learner.ledger["trained"] == ["5#1"] and len(learner.trained) == 3
+    assert all(g in learner.trained for g in ("t9", "4#0", "5#1"))
+
+
 def test_a_silent_stream_times_out_with_a_clear_error(tiny_model):
     learner, _ = learner_for(copy.deepcopy(tiny_model), [], batch_size=8)
     with pytest.raises(StreamTimeout, match="0 of 2 groups"):

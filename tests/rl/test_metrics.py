@@ -7,8 +7,11 @@ from rl.observe.metrics import (
     MetricsLogger,
     eval_record,
     eval_values,
+    redis_metrics,
     rollout_metrics,
 )
+from rollout.keys import RunKeys
+from rollout.stream import RedisGroupReader
 
 
 def test_collapse_is_reported_once():
@@ -107,3 +110,15 @@ def test_a_step_with_no_finished_episode_shows_what_it_trained():
         2, 10, {"reward/mean": 0.5, "reward/std": 0.5, "rollout/success_rate": 0.5, **trained}
     )
     assert "| reward 0.50±0.50 | success 50%" in usual and "trained" not in usual
+
+
+def test_redis_metrics_count_the_dead_letters_trimmed_ones_included(redis_server):
+    client, keys = redis_server.client(), RunKeys("run")
+    reader = RedisGroupReader(client, keys.trajectories, group="learner", consumer="c0")
+    assert redis_metrics(client, keys.trajectories)["stream/dead_letters"] == 0
+    for _ in range(3):
+        client.xadd(keys.trajectories, {"group": b"\xff"})
+    reader.read(10, block_ms=100)
+    client.xtrim(keys.dead_letters, maxlen=0)  # the checkpoint trim (rollout/books.py)
+    metrics = redis_metrics(client, keys.trajectories)
+    assert metrics["stream/dead_letters"] == 3 and metrics["redis/stream_entries"] == 3

@@ -60,6 +60,7 @@ def test_a_restarted_worker_raises_one_alarm():
     assert "step 8/8  (finished, 1 alarms)" in out
     assert "a rollout worker restarted (1 so far)" in out  # the SIGKILLed worker
     assert "episodes restored" in out and "workers answering" in out
+    assert "dead letters (undecodable groups, run total)" in out
 
 
 def test_one_panel_at_a_time_and_keys_switch_it():

@@ -17,6 +17,8 @@ LAYOUT = {
     "issued": "agentrl:run-7:issued",
     "trajectories": "agentrl:run-7:trajectories",
     "dead_letters": "agentrl:run-7:trajectories:dead",
+    "dead_letter_count": "agentrl:run-7:trajectories:dead:count",
+    "trimmed": "agentrl:run-7:trimmed",
     "metrics": "agentrl:run-7:metrics",
     "learner_version": "agentrl:run-7:learner_version",
     "killed_worker": "agentrl:run-7:fault:killed-worker",

@@ -4,6 +4,7 @@ turns (env state included) under a new attempt, and a token budget pauses and sa
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -23,6 +24,7 @@ from rollout.types import RolloutStatus
 from rollout.worker import RolloutWorker
 from tests.fakes import ScriptedSession
 from tests.rollout.test_agent import fields, params_for
+from tests.rollout.test_codec_stream import sample_group
 from tests.rollout.test_render_and_episode import expert_script
 
 KEYS = RunKeys("test")
@@ -158,6 +160,39 @@ def test_a_worker_takes_its_share_of_new_tasks_and_all_of_its_own(redis_server):
     assert len(again) == 5 and {t.group_id for t in first} < {t.group_id for t in again}
     assert len(queue.claim("w1", 16, idle_ms=60_000)) == 2 + 1  # one worker: all unread
     assert queue.claim("w2", 16, idle_ms=60_000, workers=2) == []  # none left: none read
+
+
+def test_a_task_taken_over_is_completed_once_by_its_new_owner(redis_server):
+    """Worker A claims a task and goes quiet; B takes it over once idle (XAUTOCLAIM). A's
+    complete is refused (it no longer owns the entry), B's goes through: one group."""
+    client = redis_server.client()
+    queue = TaskQueue(client, KEYS)
+    queue.issue([("g0", 1)])
+    (mine,) = queue.claim("A", 1, idle_ms=60_000)
+    time.sleep(0.05)
+    (taken,) = queue.claim("B", 1, idle_ms=20)
+    assert taken.entry_id == mine.entry_id and taken.attempt == 2
+    group = dataclasses.replace(sample_group(), group_id="g0")
+    assert queue.complete(mine, group, consumer="A") is None
+    assert queue.complete(taken, group, consumer="B") is not None
+    assert queue.complete(taken, group, consumer="B") is None  # acked: a retry adds nothing
+    assert client.xlen(STREAM) == 1 and queue.produced() == {"g0": 1} and queue.backlog() == 0
+
+
+def test_a_worker_whose_tasks_were_taken_over_produces_nothing(tokenizer, redis_server):
+    """The serve loop of a worker that stalled while another took its tasks over finishes its
+    episodes in vain: its groups are refused and counted (workers/refused_groups)."""
+    client = redis_server.client()
+    slow, queue, renderer = make(tokenizer, client, "w0")
+    queue.issue([("g0", 5), ("g1", 6)])
+    saved = lambda: sum(len(queue.saved_episodes(g)) for g in ("g0", "g1"))  # noqa: E731
+    run_for(slow, renderer, until=lambda: saved() > 0)  # w0 holds both, mid-episode
+    taker, _, _ = make(tokenizer, client, "w1", claim_idle_ms=0)
+    run_for(taker, renderer, until=lambda: client.xlen(STREAM) == 2)
+    run_for(slow, renderer, ticks=2000, until=lambda: not slow.groups)  # w0 wakes up
+    assert not slow.groups and slow.counters["refused_groups"] == 2
+    assert slow.produced_groups == 0 and taker.produced_groups == 2
+    assert client.xlen(STREAM) == 2 and queue.produced() == {"g0": 1, "g1": 1}
 
 
 class ReplayMismatchEnv(CalculatorEnv):
