@@ -99,14 +99,11 @@ def _check_env(cfg: RunConfig) -> None:
     stages = [("env.kwargs", {})] + [
         (f"curriculum.{i}.env_kwargs", stage.env_kwargs) for i, stage in enumerate(cfg.curriculum)
     ]
-    for where, extra in stages:  # the env's class imports and takes the kwargs (nothing built)
+    for where, extra in stages:
+        kwargs = {**cfg.env.kwargs, **extra}
         try:
-            envs.check_kwargs(cfg.env.id, {**cfg.env.kwargs, **extra})
-        except envs.RegistrationError as exc:
-            raise ConfigError(f"{where}.{exc.key}" if exc.key else where, str(exc)) from None
-    for where, extra in stages:  # built once (and closed): values its constructor refuses
-        try:
-            check_build(cfg.env.id, {**cfg.env.kwargs, **extra})
+            envs.check_kwargs(cfg.env.id, kwargs)  # the env's class takes these names
+            check_build(cfg.env.id, kwargs)  # built once (and closed): values it refuses
         except envs.RegistrationError as exc:
             raise ConfigError(f"{where}.{exc.key}" if exc.key else where, str(exc)) from None
     if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():

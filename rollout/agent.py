@@ -194,13 +194,13 @@ class AgentLoop:
                 future, episode.tool = episode.tool, None
                 self._after_env_step(episode, future)
             elif now >= episode.tool_deadline or (block and not episode.tool.done()):
-                self._abandon(episode.tool)
+                self.abandon(episode.tool)
                 episode.tool, episode.env_broken = None, True
                 episode.finish(
                     RolloutStatus.ENV_ERROR, f"env step timed out after {self.tool_timeout_s:g} s"
                 )
 
-    def _abandon(self, future: Future) -> None:
+    def abandon(self, future: Future) -> None:
         """A timed-out env step keeps its thread for as long as it hangs (forever, maybe): once
         half the pool's threads are held so, later steps go to a fresh pool (the old one keeps
         running what it has), so hung tools never starve the other episodes' env steps."""

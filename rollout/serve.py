@@ -179,7 +179,7 @@ class AsyncRollouts:
                 continue
             del self.restoring[key]
             if not done:
-                self.loop._abandon(r.future)  # a hung restore keeps its thread, not the pool
+                self.loop.abandon(r.future)  # a hung restore keeps its thread, not the pool
                 self._restore_failed(key, r, f"timed out after {self.loop.tool_timeout_s:g} s")
                 continue
             try:

@@ -8,7 +8,7 @@ not all get a GPU runs on the CPU. (Ray leaves CUDA_VISIBLE_DEVICES alone for an
 reserved no GPU, so an actor resolving `auto` itself would see GPUs it has not reserved: the
 actors get the resolved config.) An explicit `cuda` that the GPUs cannot cover is a ConfigError
 naming the key: at check time on a local Ray (`agentrl check` / `train`, before anything starts),
-after joining on a cluster. Each cuda actor reserves one GPU (rl/run/placement.py, `ask`).
+after joining on a cluster. Each cuda actor reserves one GPU (rl/config/resources.py, `ask`).
 """
 
 from __future__ import annotations

@@ -66,16 +66,11 @@ def run_evals(cfg, workers, renderer, log: MetricsLogger, *, step: int, label: s
     return out
 
 
-def longest_stage(cfg) -> int | None:
-    """The curriculum's last stage (evaluations run there), None without a curriculum."""
-    return len(cfg.curriculum) - 1 if cfg.curriculum else None
-
-
 def evals_at_longest(
     cfg, workers, renderer, log, *, step: int, label: str, stage: int | None = None
 ) -> dict:
     """run_evals at the curriculum's longest stage; then back to `stage` (the one training)."""
-    last = longest_stage(cfg)
+    last = len(cfg.curriculum) - 1 if cfg.curriculum else None
     set_stage(cfg, workers, last)
     out = run_evals(staged(cfg, last), workers, renderer, log, step=step, label=label)
     if stage is not None and stage != last:
