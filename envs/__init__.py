@@ -49,6 +49,9 @@ BUILTIN = (
     ("agentrl/Retrieval-v0", "envs.retrieval:RetrievalEnv", {"difficulty": 1}),
     ("agentrl/FileEdit-v0", "envs.file_edit:FileEditEnv", {"difficulty": 1}),
     ("agentrl/LongHorizon-v0", "envs.long_horizon:LongHorizonEnv", {}),
+    ("agentrl/Mix-v0", "envs.mixture:MixtureEnv", {"envs": [{"id": "agentrl/Calculator-v0"}]}),
+    ("agentrl/Dataset-v0", "envs.dataset:DatasetEnv", {}),
+    ("agentrl/Harness-v0", "envs.harness:HarnessEnv", {}),
 )
 """(id, entry point, default kwargs) of the built-in environments."""
 

@@ -28,6 +28,7 @@ from gymnasium.utils.env_checker import check_env
 from envs.base import ToolEnv
 from envs.expert import demonstrate
 from envs.fuzz import random_action
+from envs.mixture import MixtureEnv
 from envs.registry import make_expert, register_entry_point, unknown_env
 
 
@@ -126,9 +127,12 @@ def _require(condition: bool, message: str) -> None:
 def _check_make(make) -> str:
     env = make()
     inner = env.unwrapped
-    _require(isinstance(inner, ToolEnv), f"{type(inner).__name__} is not an envs.ToolEnv")
+    _require(
+        isinstance(inner, ToolEnv | MixtureEnv), f"{type(inner).__name__} is not an envs.ToolEnv"
+    )
     env.close()
-    return f"{type(inner).__name__}, tools: {', '.join(inner.toolbox.names) or 'none'}"
+    names = [t["function"]["name"] for t in inner.tools]  # a mix's: every env's
+    return f"{type(inner).__name__}, tools: {', '.join(names) or 'none'}"
 
 
 def _check_gymnasium(make) -> str:

@@ -240,12 +240,18 @@ def env_class(env_id: str) -> type:
     return target
 
 
-def make_expert(env_id: str, **kwargs: Any) -> Any:
-    """The scripted expert of a registered env (`error_rate=..., seed=...`).
+def make_expert(env: Any, **kwargs: Any) -> Any:
+    """The scripted expert (`error_rate=..., seed=...`) of a registered env id, or of an env
+    instance (its own `expert` attribute first: an env that takes its expert as a kwarg, such
+    as envs/harness.py, sets it per instance).
 
-    Raises KeyError when the env's class declares no `expert`.
+    Raises KeyError when the env declares no `expert`.
     """
-    expert = getattr(env_class(env_id), "expert", None)
+    if isinstance(env, str):
+        env_id, expert = env, getattr(env_class(env), "expert", None)
+    else:
+        env_id = env.spec.id if env.spec else type(env.unwrapped).__name__
+        expert = getattr(env.unwrapped, "expert", None)
     if expert is None:
         raise KeyError(
             f"{env_id!r} has no scripted expert; set the `expert` class attribute of its env "

@@ -12,6 +12,11 @@ never an exception for the caller.
     @tool(timeout_s=5.0)       # async tools work too; a hung call is an error observation
     async def fetch(self, url: str) -> str: ...
 
+Tools from elsewhere (an MCP server, see `envs.mcp`) join an env's toolbox with
+`env.toolbox.add(schema, fn)`: the schema is in the same format `@tool` produces, `fn(**arguments)`
+is a plain (or async) callable, and `call` validates, times out and reports errors for it as for
+any other tool.
+
 A timed-out call cannot be stopped from the outside when it runs in-process: its thread is left to
 finish in the background. Code the model wrote never runs in-process; it goes to `envs.sandbox`,
 whose processes are killed at their limits.
@@ -214,6 +219,8 @@ class Toolbox:
         max_result_chars: int = MAX_RESULT_CHARS,
     ):
         self._tools = {t.name: t for t in tools}
+        self._sources: dict[str, str] = {}
+        """Where each tool added with `add` comes from (for the duplicate-name error)."""
         self.timeout_s = timeout_s
         self.max_result_chars = max_result_chars
         """Results longer than this are cut (with a marker saying how much was dropped)."""
@@ -227,6 +234,46 @@ class Toolbox:
                 if isinstance(value, Tool):
                     found.append(BoundTool(value, owner))
         return Toolbox(found, timeout_s=timeout_s)
+
+    def add(
+        self,
+        schema: dict[str, Any],
+        fn: Callable[..., Any],
+        *,
+        timeout_s: float | None = None,
+        source: str | None = None,
+    ) -> None:
+        """Register an external tool: `schema` as `@tool` makes it (`{"type": "function",
+        "function": {"name", "description", "parameters"}}`), `fn(**arguments)` sync or async.
+
+        `timeout_s` None uses `fn.timeout_s` if the callable has one, else this toolbox's
+        default. `source` names where the tool comes from in errors (default: `fn.source` if
+        set, else the function's qualified name). A name already taken raises ValueError naming
+        both sources.
+        """
+        checked = _checked_schema(schema)
+        name = checked["function"]["name"]
+        if not callable(fn):
+            raise ValueError(f"tool {name!r}: fn must be callable, got {type(fn).__name__}")
+        if timeout_s is None:
+            timeout_s = getattr(fn, "timeout_s", None)
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"tool {name!r}: timeout_s must be > 0 or None, got {timeout_s}")
+        where = source or getattr(fn, "source", None) or _qualname(fn)
+        if name in self._tools:
+            raise ValueError(
+                f"tool name {name!r} is taken twice: by {self._source(name)} and by {where}; "
+                "rename one (an MCP server spec takes a `prefix`)"
+            )
+        tool_ = Tool(fn=_external(fn), schema=checked, timeout_s=timeout_s)
+        self._tools[name] = BoundTool(tool_, None)
+        self._sources[name] = str(where)
+
+    def _source(self, name: str) -> str:
+        if name in self._sources:
+            return self._sources[name]
+        bound = self._tools[name]
+        return f"@tool {getattr(bound.tool.fn, '__qualname__', name)}"
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -261,6 +308,51 @@ class Toolbox:
         except Exception as exc:  # a tool bug is the model's observation, not our crash
             return _error(name, f"{type(exc).__name__}: {exc}"), False
         return tool_result(name, _render(result, self.max_result_chars)), True
+
+
+def _checked_schema(schema: Any) -> dict[str, Any]:
+    """A copy of an external tool's schema, checked; `parameters` defaults to no arguments."""
+    fn = schema.get("function") if isinstance(schema, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(fn, dict):
+        raise ValueError(
+            'a tool schema must look like {"type": "function", "function": {"name": ..., '
+            f'"description": ..., "parameters": {{...}}}}}}, got {_short(schema, 120)}'
+        )
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a tool schema needs a non-empty string function.name, got {name!r}")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict) or not isinstance(params.get("properties", {}), dict):
+        raise ValueError(f"tool {name!r}: function.parameters must be a JSON schema object")
+    description = fn.get("description") or ""
+    if not isinstance(description, str):
+        raise ValueError(f"tool {name!r}: function.description must be a string")
+    function = {**fn, "description": description, "parameters": params}
+    try:
+        return json.loads(json.dumps({"type": "function", "function": function}))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"tool {name!r}: the schema is not JSON ({exc})") from None
+
+
+def _external(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(**kwargs)` as a `Tool.fn`, which is called with its owner first (here: None)."""
+    if inspect.iscoroutinefunction(fn):
+
+        async def call_async(_owner: Any, **kwargs: Any) -> Any:
+            return await fn(**kwargs)
+
+        return call_async
+
+    def call(_owner: Any, **kwargs: Any) -> Any:
+        return fn(**kwargs)
+
+    return call
+
+
+def _qualname(fn: Any) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if module else name
 
 
 def run_with_timeout(bound: BoundTool, kwargs: dict[str, Any], timeout_s: float | None) -> Any:

@@ -16,6 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NotRequired, TypedDict
 
+HELDOUT_SEEDS = 1_000_000_000
+"""Seeds at or above this draw held-out tasks: evaluation uses HELDOUT_SEEDS + 0, 1, 2, ... and
+training seeds stay below it (an env with a fixed task list, envs/dataset.py, keeps its held-out
+rows for these seeds)."""
+DEMO_SEEDS = 2_000_000_000
+"""Seeds at or above this are the SFT demonstrations' (rl/sft/warm_start.py): they draw training
+tasks again, never held-out ones, so a warm start never sees an evaluation answer."""
+
 
 class FunctionCall(TypedDict):
     name: str

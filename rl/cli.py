@@ -10,6 +10,9 @@ agentrl monitor runs/quickstart-YYYYmmdd-HHMMSS      # or: --redis URL --run NAM
 agentrl show runs/quickstart-YYYYmmdd-HHMMSS [--id ID | --worst | --best] [--step N] [--list]
 agentrl envs list
 agentrl envs check agentrl/Calculator-v0 [difficulty=2 ...]
+agentrl eval runs/quickstart-YYYYmmdd-HHMMSS [--tasks N] [--samples K] [--no-greedy] [--json]
+agentrl eval MODEL_DIR --config configs/quickstart.yaml   # a model directory: name the run file
+agentrl export runs/quickstart-YYYYmmdd-HHMMSS [STEP] [-o OUT]  # default <run>/export-step-N
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import sys
 from pathlib import Path
 
+from rl.config.mix import check_mix_expert
 from rl.config.runfile import (
     ConfigError,
     RunConfig,
@@ -77,37 +81,66 @@ def _check_env_id(data: dict) -> None:
     (that imports torch and transformers: seconds), with the closest registered ids."""
     env = data.get("env")
     env = env if isinstance(env, dict) else {}
-    env_id = env.get("id")  # (none: the default, a built-in)
-    if env.get("entry_point") is None and isinstance(env_id, str):
-        from envs.registry import RegistrationError, ensure_registered
+    mix = env.get("mix") if isinstance(env.get("mix"), list) else []
+    sections = [("env.id", env)] + [(f"env.mix[{i}].id", entry) for i, entry in enumerate(mix)]
+    for key, section in sections:
+        if not isinstance(section, dict):  # the typed build names what is wrong with it
+            continue
+        env_id = section.get("id")  # (none: the default, a built-in)
+        if section.get("entry_point") is None and isinstance(env_id, str):
+            from envs.registry import RegistrationError, ensure_registered
 
-        try:
-            ensure_registered(env_id)
-        except RegistrationError as exc:
-            raise ConfigError("env.id", str(exc)) from None
+            try:
+                ensure_registered(env_id)
+            except RegistrationError as exc:
+                raise ConfigError(key, str(exc)) from None
 
 
 def _check_env(cfg: RunConfig) -> None:
+    if cfg.env.mix is not None:  # each env of the mix as if alone (stages cannot change a mix)
+        for i, entry in enumerate(cfg.env.mix):
+            _check_one_env(entry, f"env.mix[{i}].", [(f"env.mix[{i}].kwargs", {})])
+            check_mix_expert(cfg, entry, f"env.mix[{i}].id")
+    else:
+        stages = [
+            (f"curriculum.{i}.env_kwargs", s.env_kwargs) for i, s in enumerate(cfg.curriculum)
+        ]
+        _check_one_env(cfg.env, "env.", [("env.kwargs", {}), *stages])
+    if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():
+        raise ConfigError("policy.path", f"{cfg.policy.path!r} is not a directory")
+
+
+def _check_one_env(env, prefix: str, stages: list[tuple[str, dict]]) -> None:
+    """Register `env` (an env section or a mix entry), bind and build it with its kwargs and
+    each stage's; a ConfigError names the key (`prefix` + id, entry_point or kwargs.KEY)."""
     import envs
     from envs.registry import check_build
 
     try:  # an `env.entry_point` is registered under `env.id` here (and in each worker)
-        envs.ensure_registered(cfg.env.id, cfg.env.entry_point)
+        envs.ensure_registered(env.id, env.entry_point)
     except envs.RegistrationError as exc:
-        key = "env.entry_point" if cfg.env.entry_point else "env.id"
-        raise ConfigError(key, str(exc)) from None
-    stages = [("env.kwargs", {})] + [
-        (f"curriculum.{i}.env_kwargs", stage.env_kwargs) for i, stage in enumerate(cfg.curriculum)
-    ]
+        key = "entry_point" if env.entry_point else "id"
+        raise ConfigError(prefix + key, str(exc)) from None
     for where, extra in stages:
-        kwargs = {**cfg.env.kwargs, **extra}
+        kwargs = {**env.kwargs, **extra}
         try:
-            envs.check_kwargs(cfg.env.id, kwargs)  # the env's class takes these names
-            check_build(cfg.env.id, kwargs)  # built once (and closed): values it refuses
+            envs.check_kwargs(env.id, kwargs)  # the env's class takes these names
+            check_build(env.id, kwargs)  # built once (and closed): values it refuses
         except envs.RegistrationError as exc:
-            raise ConfigError(f"{where}.{exc.key}" if exc.key else where, str(exc)) from None
-    if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():
-        raise ConfigError("policy.path", f"{cfg.policy.path!r} is not a directory")
+            raise ConfigError(_env_key(env, where, exc.key), str(exc)) from None
+
+
+def _env_key(env, where: str, key: str | None) -> str:
+    """The run-file key an env build error names: env.dataset / env.grader (env.mix[i].dataset
+    / ...grader for an entry of a mix) when the run file wrote the shorthand
+    (rl/config/dataset.py), else `where`.`key`."""
+    if env.dataset is not None and where.startswith("env.") and where.endswith(".kwargs"):
+        prefix = where.removesuffix("kwargs")
+        if key in (None, "path"):  # the task file's content
+            return prefix + "dataset"
+        if key == "grader" and env.grader is not None:
+            return prefix + "grader"
+    return f"{where}.{key}" if key else where
 
 
 def load(args) -> RunConfig:
@@ -280,6 +313,38 @@ def cmd_envs(args) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_eval(args) -> int:
+    from rl.run.offline_eval import evaluate_target, run_file_of
+
+    target = Path(args.target)
+    data = run_file_data(run_file_of(target, args.config))
+    _check_env_id(data)
+    cfg = build_config(data)
+    _check_env(cfg)
+    report = evaluate_target(
+        target,
+        cfg,
+        tasks=args.tasks,
+        samples=args.samples,
+        greedy=args.greedy,
+        json_output=args.json,
+    )
+    print(json.dumps(report.to_json(), indent=2) if args.json else "\n".join(report.lines()))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from rl.run.export import export_checkpoint
+
+    run_dir = run_dir_arg(args.run_dir, "config.yaml")
+    out = Path(args.output) if args.output else None
+    if out is not None and out.exists() and not out.is_dir():
+        raise ConfigError("--output", f"{out} is a file; name a directory to write the model to")
+    done = export_checkpoint(run_dir, args.step, out)
+    print(f"exported step {done.step} ({done.checkpoint}) to {done.path}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="agentrl", description="Agentic RL post-training on Ray + Redis"
@@ -342,7 +407,40 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--episodes", type=int, default=5, help="seeded episodes per check")
     sp.add_argument("--long-steps", type=int, default=32, help="steps of the long episode")
     sp.set_defaults(fn=cmd_envs)
+    add_after_training(sub, common)
     return p
+
+
+def add_after_training(sub, common) -> None:
+    sp = sub.add_parser(
+        "eval", help="the held-out evaluation alone, with 95%% intervals", parents=[common]
+    )
+    sp.add_argument("target", metavar="TARGET", help="a run directory, or a model directory")
+    sp.add_argument("--tasks", type=int, metavar="N", help="held-out tasks (default: eval.tasks)")
+    sp.add_argument("--samples", type=int, metavar="K", help="per task (default: eval.samples)")
+    sp.add_argument(
+        "--greedy",
+        action=argparse.BooleanOptionalAction,
+        help="also evaluate greedily (default: eval.greedy)",
+    )
+    sp.add_argument(
+        "--config",
+        metavar="RUN_FILE",
+        help="the run file whose env and eval settings apply (a model directory needs one)",
+    )
+    sp.add_argument(
+        "--json", action="store_true", help="print one JSON object (progress goes to stderr)"
+    )
+    sp.set_defaults(fn=cmd_eval)
+    sp = sub.add_parser(
+        "export", help="a checkpoint as a model directory transformers loads", parents=[common]
+    )
+    sp.add_argument("run_dir", metavar="RUN_DIR")
+    sp.add_argument("step", nargs="?", type=int, metavar="STEP", help="default: the latest")
+    sp.add_argument(
+        "-o", "--output", metavar="OUT", help="write it here (default: <run>/export-step-N)"
+    )
+    sp.set_defaults(fn=cmd_export)
 
 
 def add_show(sub, common) -> None:

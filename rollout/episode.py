@@ -75,6 +75,14 @@ def run_episodes(
     return [e.traj for e in episodes]
 
 
+def task_id(env, env_id: str, seed: int) -> str:
+    """`<env>#<seed>`, the id of the task `env.reset(seed=seed)` draws: a mixture of envs
+    (envs/mixture.py) names the env the seed draws from (`env_id_for`), any other env `env_id`.
+    Per-env metrics (rollout/worker.py `summarize`) read the env back from it."""
+    which = getattr(getattr(env, "unwrapped", env), "env_id_for", None)
+    return f"{env_id if which is None else which(seed)}#{seed}"
+
+
 def open_episode(
     env, seed: int, task_id: str, renderer: ChatRenderer
 ) -> tuple[Trajectory, list[dict]]:

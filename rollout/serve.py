@@ -32,6 +32,7 @@ from typing import Any
 from policy.sampling import SamplingParams
 from rollout.agent import AgentLoop, Episode, start_episode
 from rollout.codec import decode_episode, encode_episode
+from rollout.episode import task_id
 from rollout.tasks import Task, TaskQueue
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
@@ -164,7 +165,7 @@ class AsyncRollouts:
             self.restoring[key] = r
             return
         episode = start_episode(
-            env, task.seed, key, f"{self.worker.env_id}#{task.seed}", self.worker.renderer
+            env, task.seed, key, task_id(env, self.worker.env_id, task.seed), self.worker.renderer
         )
         episode.traj.traj_id, episode.traj.attempt = key, task.attempt
         self.loop.add(episode)
@@ -203,7 +204,7 @@ class AsyncRollouts:
         reused) and save it as final, so a later claim of the task does not try again."""
         task = r.group.task
         traj = Trajectory(
-            task_id=f"{self.worker.env_id}#{task.seed}",
+            task_id=task_id(r.env, self.worker.env_id, task.seed),
             traj_id=key,
             attempt=task.attempt,
             status=RolloutStatus.ENV_ERROR,

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from policy.engines import open_session
 from policy.sampling import SamplingParams
 from rollout.agent import AgentLoop, run_all, start_episode
-from rollout.episode import EpisodeLimits, Policy, run_episodes
+from rollout.episode import EpisodeLimits, Policy, run_episodes, task_id
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Scorer, Trajectory, TrajectoryGroup
 
@@ -81,7 +81,6 @@ class RolloutWorker:
 
     def run(self, seeds: list[int], sampling: SamplingParams) -> list[Trajectory]:
         """One episode per seed, reproducibly (tool results are applied in a fixed order)."""
-        task_ids = [f"{self.env_id}#{seed}" for seed in seeds]
         session = self.session()
         if session is not None:
             loop = AgentLoop(
@@ -93,18 +92,19 @@ class RolloutWorker:
             )
             envs = self._env_pool(len(seeds))
             episodes = [
-                start_episode(env, seed, f"run/{i}", task_id, self.renderer)
-                for i, (env, seed, task_id) in enumerate(zip(envs, seeds, task_ids, strict=True))
+                start_episode(env, seed, f"run/{i}", task_id(env, self.env_id, seed), self.renderer)
+                for i, (env, seed) in enumerate(zip(envs, seeds, strict=True))
             ]
             trajs = run_all(loop, episodes, sampling, max_live=self.max_episodes)
             for i, episode in enumerate(episodes):
                 if episode.env_broken:  # a timed-out tool may still hold it
                     self._envs[i] = self.env_factory()
             return trajs
+        envs = self._env_pool(len(seeds))
         return run_episodes(
-            self._env_pool(len(seeds)),
+            envs,
             seeds,
-            task_ids,
+            [task_id(env, self.env_id, seed) for env, seed in zip(envs, seeds, strict=True)],
             policy=self.policy,
             renderer=self.renderer,
             sampling=sampling,
@@ -169,8 +169,9 @@ class RolloutWorker:
 def summarize(trajs: list[Trajectory], *, seconds: float) -> dict[str, float]:
     """Counters a driver can add up across workers (flat keys; see `rl.observe.metrics`).
 
-    Besides the totals: `reward_part/<term>` sums over scored trajectories, `env/<id>/episodes`
-    and `env/<id>/successes` per env (from the task id), and `tool/<name>/calls` and
+    Besides the totals: `reward_part/<term>` sums over scored trajectories, `env/<id>/episodes`,
+    `env/<id>/successes`, `env/<id>/scored` and `env/<id>/reward_sum` per env (from the task id:
+    a mixture's names the env of the task), and `tool/<name>/calls` and
     `tool/<name>/failures` per tool (from the tool messages; calls that named no valid tool
     count under `tool/(invalid)/...`).
     """
@@ -200,6 +201,8 @@ def summarize(trajs: list[Trajectory], *, seconds: float) -> dict[str, float]:
         _add(stats, f"env/{env_id}/episodes", 1)
         _add(stats, f"env/{env_id}/successes", int(t.success))
         if t.status not in errors:
+            _add(stats, f"env/{env_id}/scored", 1)
+            _add(stats, f"env/{env_id}/reward_sum", t.reward)
             for name, value in t.reward_parts.items():
                 _add(stats, f"reward_part/{name}", value)
         for m in t.messages:

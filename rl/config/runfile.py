@@ -180,6 +180,12 @@ class RunConfig(Section):
                 raise ConfigError(
                     f"curriculum[{i}].max_seq_len", f"must be above max_new_tokens ({new})"
                 )
+            if stage.env_kwargs and self.env.mix is not None:
+                raise ConfigError(
+                    f"curriculum[{i}].env_kwargs",
+                    "cannot change the envs of an env.mix (not supported yet); remove it, and "
+                    "set each env's kwargs under env.mix",
+                )
         return self
 
     @model_validator(mode="after")

@@ -22,8 +22,13 @@ from pydantic import (
     model_validator,
 )
 
+from rl.config.dataset import check_grader, expand_shorthand
 from rl.config.errors import ConfigError, config_error
 from rl.config.resources import Resources, ask, fold_cpus
+from rl.config.runtime_env import RuntimeEnv
+
+MIX_ID = "agentrl/Mix-v0"
+"""The env `env.mix` maps to (envs/mixture.py)."""
 
 
 class Section(BaseModel):
@@ -78,6 +83,13 @@ class RayConfig(Section):
     """CPUs of the local Ray (default: all of this machine's)."""
     object_store_mb: int = Field(512, gt=0)
     """Object store size of the local Ray, in MiB."""
+    runtime_env: RuntimeEnv = Field(default_factory=dict)
+    """Ray's runtime environment for the run's actors, passed to ray.init (local and cluster):
+    working_dir, py_modules (local paths or remote URIs, shipped to every node), pip (a list
+    of packages or a requirements file), env_vars, excludes; relative paths are relative to the
+    current directory. On a cluster agentrl adds to py_modules its own packages and each env
+    module in the current directory that the run imports (env.entry_point, a "module:function"
+    env.grader, the same in env.mix entries), and says so in one line (docs/cluster.md)."""
 
 
 def _redis_url(value: str | None) -> str | None:
@@ -146,6 +158,52 @@ class EnvConfig(Section):
     directory works); registered under `id` before the run starts."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed to gymnasium.make (they override the registered defaults)."""
+    dataset: str | None = None
+    """A .jsonl or .parquet file of tasks (a prompt and an answer per row) to train on, with no
+    env class to write: it selects agentrl/Dataset-v0 (so no `id` or `entry_point`) and becomes
+    its kwargs.path, resolved against the current directory. Its other options go in kwargs:
+    prompt_key, answer_key, heldout_fraction, split_seed, system, judge, mcp
+    (docs/environments.md, "Tasks from a data file")."""
+    grader: Annotated[str | None, AfterValidator(check_grader)] = None
+    """How a `dataset` answer is graded: exact, numeric, judge (an LLM at kwargs.judge.url) or
+    "package.module:function" (null: exact); becomes kwargs.grader."""
+    harness: str | None = None
+    """"package.module:function" of your own agent (sync or async, `run(base_url, task)`),
+    trained through agentrl's OpenAI-compatible endpoint on the tasks of `dataset`: it selects
+    agentrl/Harness-v0 (envs/harness.py; docs/environments.md, "Bring your own agent")."""
+    mix: list[MixEntry] | None = None
+    """Several envs in one run: a list of entries, each with the keys of `env:` (id,
+    entry_point, kwargs, dataset, ...) and a `weight` (> 0, default 1.0). Each task comes from
+    one entry, with probability weight / the sum of the weights (agentrl/Mix-v0,
+    envs/mixture.py); held-out evaluation follows the same weights, SFT demonstrations come
+    from each env's expert, and metrics are per env (env/<id>/success_rate, episodes,
+    reward_mean). The other keys of `env:` stay unset beside it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dataset(cls, data: Any) -> Any:
+        """`dataset` / `grader` -> agentrl/Dataset-v0 and its kwargs (rl/config/dataset.py)."""
+        return expand_shorthand(data)
+
+    @model_validator(mode="after")
+    def _mix(self) -> EnvConfig:
+        """`mix` is agentrl/Mix-v0 with the entries as kwargs.envs (a saved config.yaml, which
+        has both, loads again)."""
+        if self.mix is None:
+            return self
+        if not self.mix:
+            raise ConfigError("mix", "is empty; list the envs to mix (a mix of one works)")
+        made = {"id": MIX_ID, "kwargs": {"envs": [entry.mix_entry() for entry in self.mix]}}
+        for key in sorted(self.model_fields_set - {"mix"}):
+            default = type(self).model_fields[key].get_default(call_default_factory=True)
+            if getattr(self, key) not in (default, made.get(key)):
+                raise ConfigError(
+                    key,
+                    f"cannot be set beside mix: the mix is {MIX_ID}, and each of its envs takes "
+                    f"its own {key} (env.mix[i].{key}); move it into the entries, or drop mix",
+                )
+        self.id, self.kwargs = made["id"], made["kwargs"]
+        return self
 
     @model_validator(mode="after")
     def _default_id(self) -> EnvConfig:
@@ -155,6 +213,28 @@ class EnvConfig(Section):
         if self.id is None:
             self.id = "agentrl/Calculator-v0"
         return self
+
+
+class MixEntry(EnvConfig):
+    """One env of `env.mix`: the keys of `env:` and its weight."""
+
+    weight: float = Field(1.0, gt=0)
+    """Share of the tasks drawn from this env: weight / the sum of the mix's weights."""
+
+    @model_validator(mode="after")
+    def _not_nested(self) -> MixEntry:
+        if self.mix is not None:
+            raise ConfigError("mix", "an entry of a mix cannot be a mix; list its envs in env.mix")
+        return self
+
+    def mix_entry(self) -> dict[str, Any]:
+        """This entry as agentrl/Mix-v0's `envs` lists it."""
+        entry = {"id": self.id, "kwargs": dict(self.kwargs), "weight": self.weight}
+        return entry if self.entry_point is None else {**entry, "entry_point": self.entry_point}
+
+
+EnvConfig.model_rebuild()  # `mix` names MixEntry, defined after it
+MixEntry.model_rebuild()
 
 
 def _penalty(value: float) -> float:

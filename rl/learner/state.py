@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from policy.logprobs import TokenLogprobs
 from rl.learner.checkpoint import (
     CheckpointError,
     read_json,
@@ -108,6 +109,20 @@ def load_learner(learner, directory: Path, *, rng: bool = True) -> None:
     learner.version, learner.last_acked = meta["version"], meta["last_acked"]
     learner.trained = GroupIds.from_json(meta.get("trained", []))  # older: a plain list
     learner.skipped_steps, learner.dropped_groups = meta["skipped_steps"], meta["dropped_groups"]
+
+
+def load_policy_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Only the policy's weights of the checkpoint in `directory` (written at any world size and
+    expert-parallel size) into `model`: an unsharded model of the run's architecture, e.g. the
+    one the run started from (`agentrl export`, `agentrl eval`). No learner, optimizer or process
+    group; CheckpointError when the checkpoint does not fit the model."""
+    directory = Path(directory)
+    if not (directory / DCP_DIR).is_dir():
+        raise CheckpointError(f"{directory} holds no policy weights ({DCP_DIR}/ is missing)")
+    module = torch.nn.ModuleDict({"trunk": TokenLogprobs(model)})  # the keys _modules gives
+    model_sd = get_model_state_dict(module, options=_OPTIONS)
+    _read_tensors(directory, model_sd, None)
+    set_model_state_dict(module, model_sd, options=_OPTIONS)
 
 
 def _read_tensors(directory: Path, model_sd: dict, optim_sd: dict | None) -> dict:

@@ -3,11 +3,13 @@ task clustering (rl/observe/stats.py). rl/run/evals.py runs the evaluation on th
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 
+from envs.types import HELDOUT_SEEDS
 from rl.observe.stats import success_interval
 
-EVAL_SEED_OFFSET = 1_000_000_000  # training seeds stay below this
+EVAL_SEED_OFFSET = HELDOUT_SEEDS  # training seeds stay below this (envs/types.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +27,9 @@ class EvalResult:
     raised."""
     truncated: float = 0.0
     """Share of the episodes that ended truncated (out of turns, tokens or context)."""
+    per_env: dict[str, list[float]] = field(default_factory=dict)
+    """A mixture of envs (envs/mixture.py): [success, ci_low, ci_high] over each env's held-out
+    tasks, by env id (empty for one env)."""
 
     @property
     def tool_call_ok(self) -> float:
@@ -38,9 +43,22 @@ class EvalResult:
         return f"{self.success:6.1%} [{self.ci_low:.1%}, {self.ci_high:.1%}]"
 
 
-def eval_result(mode: str, tasks: int, samples: int, answers: list) -> EvalResult:
-    """One EvalResult from the workers' answers: (per-task successes, counters) each."""
+def eval_result(
+    mode: str,
+    tasks: int,
+    samples: int,
+    answers: list,
+    *,
+    seeds: Sequence[int] = (),
+    env_of: Callable[[int], str] | None = None,
+) -> EvalResult:
+    """One EvalResult from the workers' answers: (per-task successes, counters) each. With
+    `env_of` (a mixture's seed -> env id) and the answers' `seeds` in order, also per env."""
     per_task = [task for chunk, _ in answers for task in chunk]
+    by_env: dict[str, list] = {}
+    if env_of is not None:
+        for seed, task in zip(seeds, per_task, strict=True):
+            by_env.setdefault(env_of(seed), []).append(task)
     counts = {k: sum(c[k] for _, c in answers) for k in answers[0][1]}
     mean, low, high = success_interval(per_task)
     return EvalResult(
@@ -53,4 +71,5 @@ def eval_result(mode: str, tasks: int, samples: int, answers: list) -> EvalResul
         tool_calls=counts["tool_calls"] + counts["parse_errors"],
         bad_tool_calls=counts["tool_errors"] + counts["parse_errors"],
         truncated=counts["truncated"] / max(counts["episodes"], 1),
+        per_env={env: list(success_interval(t)) for env, t in sorted(by_env.items())},
     )

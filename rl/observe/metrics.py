@@ -4,6 +4,7 @@ trackers (rl/observe/trackers.py) and the console; collapse detection; the compa
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -60,18 +61,26 @@ class MetricsLogger:
             tracker.close()
 
 
-def eval_record(label: str, mode: str, success: float, low: float, high: float) -> dict:
+def eval_record(
+    label: str, mode: str, success: float, low: float, high: float, per_env: dict | None = None
+) -> dict:
     """One evaluation's metrics, under names distinct for each label (sft, grpo, ...) and kind
     (sampled, greedy): `eval/<label>/<kind>/success`, `.../ci_low`, `.../ci_high`, plus the
-    label and the full mode text."""
+    label and the full mode text; a mixture of envs also `.../env/<id>/success` (and its
+    interval) from `per_env` ({env id: (success, ci_low, ci_high)})."""
     base = f"eval/{label}/{mode.split(' ')[0]}"
-    return {
+    record = {
         "eval/label": label,
         "eval/mode": mode,
         f"{base}/success": success,
         f"{base}/ci_low": low,
         f"{base}/ci_high": high,
     }
+    for env, (env_success, env_low, env_high) in (per_env or {}).items():
+        record[f"{base}/env/{env}/success"] = env_success
+        record[f"{base}/env/{env}/ci_low"] = env_low
+        record[f"{base}/env/{env}/ci_high"] = env_high
+    return record
 
 
 def eval_values(record: dict) -> tuple[float, float, float]:
@@ -134,8 +143,9 @@ def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
 
     The reward mean and std are over scored trajectories (env and grader errors are counted in
     `rollout/env_errors` and `rollout/grader_errors`, and excluded). Per reward term:
-    `reward/<term>` (its raw mean); per env: `env/<id>/success_rate`; per tool:
-    `tools/<name>/calls` and `tools/<name>/failure_rate`.
+    `reward/<term>` (its raw mean); per env: `env/<id>/success_rate`, `env/<id>/episodes` and
+    `env/<id>/reward_mean` (over its scored trajectories; a mixture of envs has one per env);
+    per tool: `tools/<name>/calls` and `tools/<name>/failure_rate`.
     """
     total: dict[str, float] = {}
     for s in stats:
@@ -171,6 +181,10 @@ def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
         elif kind == "env" and rest.endswith("/episodes"):
             env_id = rest.removesuffix("/episodes")
             out[f"env/{env_id}/success_rate"] = total[f"env/{env_id}/successes"] / max(value, 1)
+            out[f"env/{env_id}/episodes"] = value
+            if total.get(f"env/{env_id}/scored"):
+                scored_here = total[f"env/{env_id}/scored"]
+                out[f"env/{env_id}/reward_mean"] = total[f"env/{env_id}/reward_sum"] / scored_here
         elif kind == "tool" and rest.endswith("/calls"):
             name = rest.removesuffix("/calls")
             out[f"tools/{name}/calls"] = value
@@ -184,7 +198,7 @@ def console_line(step: int, steps: int, m: dict[str, float]) -> str:
     if "rollout/success_rate" in m or "learner/success_rate" not in m:
         outcome = (
             f"reward {g('reward/mean'):.2f}±{g('reward/std'):.2f} "
-            f"| success {g('rollout/success_rate'):.0%}"
+            f"| success {g('rollout/success_rate'):.0%}{per_env_success(m)}"
         )
     else:  # no episode finished during the step (async, right after a resume): what it trained
         outcome = (
@@ -202,3 +216,20 @@ def console_line(step: int, steps: int, m: dict[str, float]) -> str:
     if m.get("learner/dropped_groups"):
         line += f" | dropped {m['learner/dropped_groups']:.0f} flat groups"
     return line
+
+
+def per_env_success(m: dict[str, float]) -> str:
+    """` (Calculator 80% Retrieval 40%)`: each env's success rate in a step of several envs
+    (a mixture, envs/mixture.py), by short name (`acme/Echo-v0` -> Echo) unless two would
+    clash; "" for a step of one env."""
+    rates = {
+        k.removeprefix("env/").removesuffix("/success_rate"): v
+        for k, v in sorted(m.items())
+        if k.startswith("env/") and k.endswith("/success_rate")
+    }
+    if len(rates) < 2:
+        return ""
+    short = {env: re.sub(r"-v\d+(?=\[|$)", "", env.rpartition("/")[2]) for env in rates}
+    if len(set(short.values())) < len(short):
+        short = {env: env for env in rates}
+    return " (" + " ".join(f"{short[env]} {rate:.0%}" for env, rate in rates.items()) + ")"

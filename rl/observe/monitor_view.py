@@ -189,13 +189,19 @@ def envs_tools(state: MonitorState) -> RenderableType:
     last = state.latest(having="rollout/success_rate")
     envs = sorted(k for k in last if k.startswith("env/") and k.endswith("/success_rate"))
     chart = Chart([(state.curve(key), ".0%") for key in envs])
-    per_env = Table(title=f"per env ({TRAIN})", expand=True)
-    per_env.add_column("env")
-    per_env.add_column("success")
+    per_env = Table(title=f"per env (step {last.get('step', '-')}; success curves)", expand=True)
+    for name in ("env", "success", "episodes", "reward"):
+        per_env.add_column(name)
     per_env.add_column(chart.axis(), no_wrap=True, ratio=1)
     for i, key in enumerate(envs):
         name = key.removeprefix("env/").removesuffix("/success_rate")
-        per_env.add_row(name, _fmt(last[key], ".0%"), chart.row(i))
+        per_env.add_row(
+            name,
+            _fmt(last[key], ".0%"),
+            _fmt(last.get(f"env/{name}/episodes"), ".0f"),  # (none in older runs: -)
+            _fmt(last.get(f"env/{name}/reward_mean"), ".2f"),
+            chart.row(i),
+        )
     names = sorted(
         k.removeprefix("tools/").removesuffix("/calls")
         for k in last

@@ -7,7 +7,9 @@ not local) on this node's address too (redis.bind, else the IP Ray reports), wit
 redis.tls_* are set. An external redis.url on a cluster is asked, before anything starts,
 whether it keeps an AOF (RDB snapshots alone lose acknowledged trajectories). Ray:
 `ray.init(address="local")` unless the config names a cluster: a bare `ray.init()` would silently
-join whatever cluster is already running on the machine.
+join whatever cluster is already running on the machine; either way with the runtime_env of
+rl/run/runtime_env.py (ray.runtime_env, and on a cluster agentrl's packages and a local env
+module shipped to every node).
 
 Both are torn down on normal exit, on error, on Ctrl-C and on SIGTERM; the Redis child also gets
 SIGTERM from the kernel if this process dies without cleaning up (PR_SET_PDEATHSIG).
@@ -45,6 +47,8 @@ from redis.retry import Retry
 
 from rl.config.cluster import is_loopback, url_host
 from rl.config.runfile import ConfigError, RayConfig, RedisConfig, RunConfig
+from rl.run.runtime_env import data_files, runtime_env_for
+from rl.run.shared_dir import check_files_everywhere
 
 logger = logging.getLogger(__name__)
 
@@ -331,9 +335,12 @@ class RedisWatchdog:
         self._thread.join(timeout=30)
 
 
-def start_ray(cfg: RayConfig) -> None:
+def start_ray(cfg: RayConfig, runtime_env: dict[str, Any] | None = None) -> None:
+    """Start a local Ray, or join the cluster `cfg.address` names, with `runtime_env` (what
+    rl/run/runtime_env.py `runtime_env_for` makes) for every worker of the job."""
     import ray
 
+    env = runtime_env or None
     if cfg.address == "local":
         ray.init(
             address="local",
@@ -342,16 +349,10 @@ def start_ray(cfg: RayConfig) -> None:
             include_dashboard=False,
             log_to_driver=True,
             logging_level="warning",
+            runtime_env=env,
         )
-    else:  # a real cluster: ship our packages to its workers
-        import envs, policy, reward, rl, rollout  # noqa: E401, I001
-
-        modules = [envs, policy, reward, rl, rollout]
-        level = {
-            k: v for k, v in os.environ.items() if k == "AGENTRL_LOG_LEVEL"
-        }  # rl/observe/console.py
-        runtime_env = {"py_modules": modules, "env_vars": level}
-        ray.init(address=cfg.address, runtime_env=runtime_env, logging_level="warning")
+    else:
+        ray.init(address=cfg.address, runtime_env=env, logging_level="warning")
 
 
 def stop_ray() -> None:
@@ -382,9 +383,14 @@ def services(cfg: RunConfig, run_dir: Path) -> Iterator[Services]:
         if cfg.redis.url is None and not cluster:
             server = start_embedded_redis(cfg, run_dir)
             watchdog = RedisWatchdog(server)
-        start_ray(cfg.ray)
+        shipped = runtime_env_for(cfg)
+        if shipped.summary():
+            logger.info(shipped.summary())
+        start_ray(cfg.ray, shipped.spec)
         # after ray.init: Ray installs a C++ SIGTERM handler that aborts without cleanup
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        if cluster:  # task files are read on every node: fail now if one lacks them
+            check_files_everywhere(data_files(cfg))
         if cfg.redis.url is None and cluster:
             server = start_embedded_redis(cfg, run_dir)
             watchdog = RedisWatchdog(server)

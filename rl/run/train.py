@@ -15,6 +15,7 @@ from pathlib import Path
 import ray
 import yaml
 
+from policy.export import complete_export
 from rl import faults
 from rl.config.runfile import RunConfig
 from rl.learner import ledger
@@ -100,6 +101,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
         algo = cfg.trainer.algorithm
         final = evals_at_longest(cfg, workers, renderer, log, step=cfg.trainer.steps, label=algo)
         ray.get(learner.save_model.remote(str(run_dir / "final-model")))
+        complete_export(run_dir / "final-model", _tokenizer(state.model_dir))  # policy/export.py
         log.close()
     base = {mode: EvalResult(**r) for mode, r in state.base_evals.items()}
     summary = report({state.base_label: base, algo: final}, state.base_label, algo, run_dir)

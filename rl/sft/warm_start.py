@@ -7,6 +7,7 @@ assistant's tokens are trained.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from pathlib import Path
@@ -14,20 +15,27 @@ from pathlib import Path
 import gymnasium
 
 from envs import demonstrate, ensure_registered, make_expert
+from envs.types import DEMO_SEEDS
 from rl.config.runfile import RunConfig
 from rollout.demos import render_demonstration
 from rollout.render import ChatRenderer
 
-DEMO_SEED_OFFSET = 2_000_000_000  # demonstrations, training and evaluation draw disjoint seeds
+logger = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 15.0
+"""Seconds between progress lines while demonstrations are played (slow envs, agent harnesses)."""
+DEMO_SEED_OFFSET = DEMO_SEEDS  # demonstrations, training and evaluation draw disjoint seeds
 
 
 def expert_demonstrations(cfg: RunConfig, count: int, *, error_rate: float, seed: int):
     ensure_registered(cfg.env.id, cfg.env.entry_point)  # a run file's env.entry_point
     env = gymnasium.make(cfg.env.id, **cfg.env.kwargs)
-    expert = make_expert(cfg.env.id, error_rate=error_rate, seed=seed)
-    demos = [
-        demonstrate(env, expert, seed=DEMO_SEED_OFFSET + seed * count + i) for i in range(count)
-    ]
+    expert = make_expert(env, error_rate=error_rate, seed=seed)  # the instance: kwargs may name it
+    demos, start, shown = [], time.perf_counter(), time.perf_counter()
+    for i in range(count):
+        demos.append(demonstrate(env, expert, seed=DEMO_SEED_OFFSET + seed * count + i))
+        if time.perf_counter() - shown > PROGRESS_EVERY_S and i + 1 < count:
+            shown = time.perf_counter()
+            logger.info(f"expert demonstrations: {i + 1}/{count} ({shown - start:.0f} s)")
     env.close()
     return demos
 

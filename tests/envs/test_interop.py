@@ -28,6 +28,8 @@ def tools_as_trl_sees_them(instance) -> dict:
 
 def test_every_env_tool_becomes_a_trl_tool_with_the_same_schema():
     for env_id in envs.env_ids():
+        if env_id == "agentrl/Harness-v0":  # its tools come from the user's agent at run time
+            continue
         factory = trl_environment(env_id)
         tools = tools_as_trl_sees_them(factory())
         ours = {t["function"]["name"]: t for t in gymnasium.make(env_id).unwrapped.tools}

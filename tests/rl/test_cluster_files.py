@@ -69,6 +69,33 @@ def resources_in(commands: list[str]) -> dict:
     return json.loads(found.group(1)) if found else {}
 
 
+SHARED = "/mnt/agentrl"  # output_dir=/mnt/agentrl/runs on every node (docs/cluster.md)
+
+
+def setup_of(prepared: dict, node_type: str, head: bool) -> list[str]:
+    """The setup commands `ray up` (the head) or the autoscaler (a worker) runs on a node of
+    `node_type`: a node type's own worker_setup_commands replace the merged global ones."""
+    if head:
+        return prepared["head_setup_commands"]
+    own = prepared["available_node_types"][node_type].get("worker_setup_commands")
+    return own if own is not None else prepared["worker_setup_commands"]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_node_is_set_up_and_mounts_the_shared_directory(path):
+    prepared = prepare_config(copy.deepcopy(load(path)))
+    for node_type in prepared["available_node_types"]:
+        for head in {node_type == prepared["head_node_type"], False}:
+            commands = " ".join(setup_of(prepared, node_type, head))
+            assert "cd ~/agentrl && make setup" in commands, (node_type, head)
+            local = load(path)["provider"]["type"] == "local"
+            if local and head:  # on premises the head exports the directory over NFS
+                assert f"{SHARED} $clients(rw" in commands and "exportfs -ra" in commands
+            else:  # every other node mounts it at the same path
+                assert re.search(rf"mount -t nfs .*\S+ {SHARED}\b", commands), (node_type, head)
+                assert f"test -w {SHARED}" in commands  # a share it cannot write fails setup
+
+
 def test_the_cluster_guide_names_every_file():
     guide = (ROOT / "docs" / "cluster.md").read_text()
     for path in FILES:

@@ -160,7 +160,7 @@ def test_embedded_redis_on_a_non_loopback_address_needs_its_password(tmp_path, i
 
 def test_services_on_a_cluster_start_redis_at_the_node_ip(tmp_path, ip, monkeypatch):
     calls = []
-    monkeypatch.setattr(launch, "start_ray", lambda cfg: calls.append(cfg.address))
+    monkeypatch.setattr(launch, "start_ray", lambda cfg, env: calls.append(cfg.address))
     monkeypatch.setattr(launch, "stop_ray", lambda: calls.append("stopped"))
     monkeypatch.setattr(launch, "_node_ip", lambda: ip)  # what Ray reports for this node
     cfg = load_config(None, ["ray.address=auto", SHARED])
@@ -256,7 +256,7 @@ def test_services_check_the_external_redis_before_ray_starts(tmp_path, ip, monke
     try:
         server.client().config_set("appendonly", "no")
         calls = []
-        monkeypatch.setattr(launch, "start_ray", lambda cfg: calls.append("ray"))
+        monkeypatch.setattr(launch, "start_ray", lambda cfg, env: calls.append("ray"))
         cfg = load_config(None, ["ray.address=auto", SHARED, f"redis.url={server.url}"])
         with pytest.raises(ConfigError, match="appendonly no"), services(cfg, tmp_path / "run"):
             pass

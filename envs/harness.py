@@ -1,0 +1,299 @@
+"""Train an agent you already wrote: `HarnessEnv` runs your agent code against agentrl's policy.
+
+A harness is your agent, unchanged, as one function (sync or async) in your module:
+
+    async def run(base_url: str, task: dict) -> str | float | bool | None:
+        client = AsyncOpenAI(base_url=base_url, api_key="agentrl")   # or an agent SDK on it
+        ...                                   # call tools (your own, MCP servers) as you do now
+        return final_answer                   # graded against the task's reference answer
+
+and a run file names it with a task file: `env: {harness: "my_agent:run", dataset:
+tasks.jsonl, grader: numeric}` (rl/config/sections.py maps it onto this env's kwargs).
+
+How an episode runs: `reset(seed)` draws the task row (envs/taskset.py: train rows below
+HELDOUT_SEEDS, held-out rows at and above), starts the harness in its own thread with a fresh
+base URL of this env's OpenAI-compatible endpoint (envs/endpoint.py) and the row without its
+answer, and waits for the harness's first chat request: its messages are the episode's
+opening, its tools the tools rendered into the prompt. Each `step(assistant_message)` is the
+policy's reply to the pending request (tool calls get OpenAI ids); the env then waits until
+the harness either sends its next request, whose messages after our reply (the tool results
+the harness computed, a user follow-up) are the observation, or returns, which ends the
+episode: a string (or None: the policy's last reply) is graded by the task's grader
+(envs/graders.py), a bool is the success, a number is the native reward (success when it is
+at least `success_threshold`). A harness that raises, or that sends no request in time, ends
+the episode as an env error.
+
+Nothing is re-tokenized: the env speaks messages, and the rollout's agent loop keeps the exact
+sampled tokens, their logprobs, policy versions and routes, appending only the tokens of each
+observation to the episode's cache. The harness may change what it sends but must extend its
+earlier messages: a request that drops or rewrites our replies is an env error (the trajectory
+would not match what the agent saw). A tool call the policy wrote that does not parse never
+reaches the harness: the env answers it with an error observation and the request stays open.
+
+A harness episode cannot be saved and continued elsewhere (the agent's own state lives in its
+process): `set_state` refuses, so a task retried after a worker crash restarts its episodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import gymnasium
+
+from envs.endpoint import Endpoint, Request
+from envs.graders import make_grader
+from envs.registry import load_object
+from envs.spaces import MessageSpace, MessagesSpace
+from envs.taskset import TaskSet
+from envs.types import HELDOUT_SEEDS, Message, Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The harness returned (or raised) for the episode with `token`."""
+
+    token: str
+    result: Any
+    error: BaseException | None
+
+
+class HarnessEnv(gymnasium.Env[list[Message], Message]):
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+
+    def __init__(
+        self,
+        *,
+        harness: str,
+        path: str,
+        grader: str = "exact",
+        judge: dict[str, Any] | None = None,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        heldout_fraction: float = 0.2,
+        split_seed: int = 0,
+        max_turns: int = 4,
+        success_threshold: float = 0.5,
+        first_request_timeout_s: float = 120.0,
+        step_timeout_s: float = 120.0,
+        expert: str | None = None,
+    ):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        fn = load_object(harness)
+        if not callable(fn):
+            raise ValueError(f"harness {harness!r} is not a function")
+        self.harness, self.max_turns = fn, max_turns
+        self.taskset = TaskSet.load(
+            path,
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+            heldout_fraction=heldout_fraction,
+            split_seed=split_seed,
+        )
+        self.grade_answer = make_grader(
+            grader, judge=judge, prompt_key=prompt_key, answer_key=answer_key
+        )
+        self.answer_key, self.success_threshold = answer_key, success_threshold
+        self.first_request_timeout_s, self.step_timeout_s = first_request_timeout_s, step_timeout_s
+        self.expert = expert
+        """The scripted expert ("module:Class") for SFT demonstrations (envs.make_expert)."""
+        self.observation_space = MessagesSpace(roles=("system", "user", "tool"))
+        self.action_space = MessageSpace(roles=("assistant",))
+        self.endpoint = Endpoint(reply_timeout_s=step_timeout_s + first_request_timeout_s)
+        self._token = ""
+        self._pending: Request | None = None
+        self._seen = 0
+        self._turn = 0
+        self._row: dict[str, Any] = {}
+        self._last_answer = ""
+
+    @property
+    def row(self) -> dict[str, Any]:
+        """The current episode's task row, answer included (for scripted experts)."""
+        return dict(self._row)
+
+    # --- gymnasium API ----------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._abandon()
+        index = seed if seed is not None else int(self.np_random.integers(HELDOUT_SEEDS))
+        self._row = self.taskset.row_for(index)
+        self._token, self._turn, self._last_answer = uuid.uuid4().hex[:16], 0, ""
+        task = {k: v for k, v in self._row.items() if k != self.answer_key} | {"seed": index}
+        base_url = self.endpoint.open(self._token)
+        threading.Thread(
+            target=_run_harness,
+            args=(self.harness, base_url, task, self._token, self.endpoint.inbox),
+            name="agentrl-harness",
+            daemon=True,
+        ).start()
+        event = self._next_event(self.first_request_timeout_s)
+        if isinstance(event, Finished):
+            raise RuntimeError(
+                "the harness returned before it called the model"
+                + (f": {type(event.error).__name__}: {event.error}" if event.error else "")
+            )
+        self._pending, self._seen = event, len(event.messages)
+        opening = [_plain(m) for m in event.messages]
+        return opening, {"tools": event.tools}
+
+    def step(self, action: Message):
+        if self._pending is None:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        self._turn += 1
+        calls = action.get("tool_calls") or []
+        broken = [c for c in calls if c.get("error")]
+        if broken:  # never reaches the harness: the policy gets the parser's error, retries
+            observation = [_error(c["error"]) for c in broken]
+            counts = {"tool_calls": len(calls), "tool_errors": len(broken)}
+            return self._continue(observation, counts)
+        self._last_answer = action.get("content") or ""
+        sent = self._pending.reply(action)
+        names = {c["id"]: c["function"]["name"] for c in _calls(sent)}
+        self._pending = None
+        event = self._next_event(self.step_timeout_s)
+        if isinstance(event, Finished):
+            return self._finish(event, len(calls))
+        observation = self._observation(event, names)
+        self._pending = event
+        return self._continue(observation, {"tool_calls": len(calls), "tool_errors": 0})
+
+    def close(self) -> None:
+        self._abandon()
+        self.endpoint.close()
+
+    # --- save and continue --------------------------------------------------------------------
+    def get_state(self) -> dict[str, Any]:
+        return {"env": "agentrl/harness", "turn": self._turn}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        raise ValueError(
+            "a harness episode cannot be continued from a saved state (the agent's own state "
+            "lived in its process); the task starts its episodes again"
+        )
+
+    # --- internals ------------------------------------------------------------------------------
+    def _continue(self, observation: list[Message], counts: dict[str, int]):
+        info: dict[str, Any] = dict(counts)
+        if self._turn >= self.max_turns:
+            self._abandon()
+            info["outcome"] = Outcome(success=False, details={"reason": "out of turns"}).to_dict()
+            return observation, 0.0, False, True, info
+        return observation, 0.0, False, False, info
+
+    def _finish(self, event: Finished, calls: int):
+        if event.error is not None:
+            raise RuntimeError(f"the harness raised {type(event.error).__name__}: {event.error}")
+        outcome, reward = self._outcome(event.result)
+        info = {"tool_calls": calls, "tool_errors": 0, "outcome": outcome.to_dict()}
+        return [], reward, True, False, info
+
+    def _outcome(self, result: Any) -> tuple[Outcome, float]:
+        if isinstance(result, bool):
+            return Outcome(success=result, details={"harness": result}), float(result)
+        if isinstance(result, int | float):
+            value = float(result)
+            success = value >= self.success_threshold
+            return Outcome(success=success, details={"harness_reward": value}), value
+        if result is None:
+            result = self._last_answer
+        if not isinstance(result, str):
+            raise TypeError(
+                f"the harness returned {type(result).__name__}; return the final answer (str), "
+                "a reward (float), a success (bool) or None (grade the policy's last reply)"
+            )
+        outcome = self.grade_answer(result, self._row)
+        return outcome, float(outcome.success)
+
+    def _observation(self, request: Request, names: dict[str, str]) -> list[Message]:
+        """The messages of `request` after our last reply, as observation messages."""
+        messages = request.messages
+        if len(messages) <= self._seen or messages[self._seen]["role"] != "assistant":
+            request.fail(400, "the request must extend the episode's messages with our reply")
+            raise ValueError(
+                f"the harness's request ({len(messages)} messages) does not extend the episode's "
+                f"{self._seen} messages and the policy's reply; a harness must resend its history"
+            )
+        new = messages[self._seen + 1 :]
+        self._seen = len(messages)
+        return [_observed(m, names) for m in new]
+
+    def _next_event(self, timeout_s: float) -> Request | Finished:
+        """The next request or the harness's return for this episode (stale ones are refused)."""
+        deadline = _Deadline(timeout_s)
+        while True:
+            try:
+                event = self.endpoint.inbox.get(timeout=deadline.left())
+            except queue.Empty:
+                self._abandon()
+                raise TimeoutError(
+                    f"the harness neither sent a request nor returned within {timeout_s:g} s"
+                ) from None
+            if event.token == self._token:
+                return event
+            if isinstance(event, Request):
+                event.fail(409, "this episode is over")
+
+    def _abandon(self) -> None:
+        """End the episode for the harness: its open request fails, later ones get 409."""
+        if self._pending is not None:
+            self._pending.fail(409, "this episode is over (out of turns, tokens or time)")
+            self._pending = None
+        self._token = ""
+        self.endpoint.open("")
+
+
+class _Deadline:
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+
+def _run_harness(fn, base_url: str, task: dict[str, Any], token: str, inbox: queue.Queue) -> None:
+    try:
+        result = fn(base_url, task)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_awaited(result))
+        inbox.put(Finished(token, result, None))
+    except BaseException as exc:  # the harness's failure is the episode's, reported in step
+        inbox.put(Finished(token, None, exc))
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _calls(completion: dict[str, Any]) -> list[dict[str, Any]]:
+    return completion["choices"][0]["message"].get("tool_calls") or []
+
+
+def _plain(message: dict[str, Any]) -> Message:
+    out: Message = {"role": message["role"], "content": message.get("content") or ""}
+    if message.get("name"):
+        out["name"] = message["name"]
+    return out
+
+
+def _observed(message: dict[str, Any], names: dict[str, str]) -> Message:
+    """A message the harness added: tool results named by the call they answer."""
+    if message["role"] == "tool":
+        name = names.get(message.get("tool_call_id", ""), message.get("name", ""))
+        return {"role": "tool", "name": name, "content": message.get("content") or ""}
+    if message["role"] == "assistant":
+        text = message.get("content") or json.dumps(message.get("tool_calls", []))
+        return {"role": "user", "content": text}  # a turn the harness made itself
+    return _plain(message)
+
+
+def _error(text: str) -> Message:
+    return {"role": "tool", "name": "", "content": f"Error: {text}"}

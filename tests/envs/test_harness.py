@@ -1,0 +1,175 @@
+"""HarnessEnv: a user's agent (the real `openai` client) driven by the env's caller, over HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import gymnasium
+import pytest
+from gymnasium.utils.env_checker import check_env
+from openai import OpenAI
+
+import envs  # noqa: F401  (registers agentrl/Harness-v0)
+from envs.harness import HarnessEnv
+from envs.types import assistant, tool_call
+
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+def calc_agent(base_url: str, task: dict) -> str:
+    """A plain agent written against the openai client: call tools until a final answer."""
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [
+        {"role": "system", "content": "Use the add tool."},
+        {"role": "user", "content": task["prompt"]},
+    ]
+    while True:
+        reply = client.chat.completions.create(model="m", messages=messages, tools=[CALC])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return message.content
+        for call in message.tool_calls:
+            args = json.loads(call.function.arguments)
+            result = str(args["a"] + args["b"])
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+
+
+def failing_agent(base_url: str, task: dict) -> str:
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    raise RuntimeError("agent bug")
+
+
+def reward_agent(base_url: str, task: dict) -> float:
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    return 0.75 if reply.choices[0].message.content == "good" else 0.0
+
+
+@pytest.fixture
+def tasks(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    rows = [{"prompt": f"What is {i} + {i + 1}?", "answer": str(2 * i + 1)} for i in range(20)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _terms(opening) -> tuple[int, int]:
+    a, b = opening[-1]["content"].removeprefix("What is ").rstrip("?").split("+")
+    return int(a), int(b)
+
+
+def _sum(opening) -> int:
+    return sum(_terms(opening))
+
+
+def make(tasks: str, harness: str = "tests.envs.test_harness:calc_agent", **kwargs):
+    return gymnasium.make(
+        "agentrl/Harness-v0", harness=harness, path=tasks, grader="numeric", **kwargs
+    )
+
+
+def test_an_openai_client_agent_is_driven_turn_by_turn_and_graded(tasks):
+    env = make(tasks)
+    opening, info = env.reset(seed=3)
+    assert [m["role"] for m in opening] == ["system", "user"]
+    assert info["tools"][0]["function"]["name"] == "add"
+    a, b = _terms(opening)
+    obs, reward, terminated, truncated, info = env.step(
+        assistant("", [tool_call("add", {"a": a, "b": b})])
+    )
+    assert obs == [{"role": "tool", "name": "add", "content": str(a + b)}]
+    assert not terminated and not truncated and info["tool_calls"] == 1
+    obs, reward, terminated, truncated, info = env.step(assistant(f"The sum is {a + b}."))
+    assert terminated and reward == 1.0 and info["outcome"]["success"]
+    env.reset(seed=4)  # the env is reused for the next episode
+    obs, reward, terminated, _, info = env.step(assistant("-1"))
+    assert terminated and reward == 0.0 and not info["outcome"]["success"]
+    env.close()
+
+
+def test_a_tool_call_that_does_not_parse_never_reaches_the_harness(tasks):
+    env = make(tasks)
+    opening, _ = env.reset(seed=0)
+    broken = {"type": "function", "function": {"name": "", "arguments": {}}, "error": "no JSON"}
+    obs, _, terminated, truncated, info = env.step(assistant("", [broken]))
+    assert obs[0]["content"] == "Error: no JSON" and info["tool_errors"] == 1
+    assert not terminated and not truncated
+    obs, reward, terminated, _, _ = env.step(assistant(str(_sum(opening))))  # the same request
+    assert terminated and reward == 1.0
+    env.close()
+
+
+def test_out_of_turns_truncates_and_releases_the_harness(tasks):
+    env = make(tasks, max_turns=1)
+    env.reset(seed=0)
+    _, _, terminated, truncated, info = env.step(
+        assistant("", [tool_call("add", {"a": 1, "b": 1})])
+    )
+    assert truncated and not terminated and info["outcome"]["details"]["reason"] == "out of turns"
+    alive = [t for t in threading.enumerate() if t.name == "agentrl-harness"]
+    for thread in alive:
+        thread.join(timeout=10)  # its next request was refused: the agent raised and ended
+    assert not any(t.is_alive() for t in alive)
+    env.close()
+
+
+def test_a_harness_that_raises_is_an_env_error_of_the_episode(tasks):
+    env = make(tasks, harness="tests.envs.test_harness:failing_agent")
+    env.reset(seed=0)
+    with pytest.raises(RuntimeError, match="agent bug"):
+        env.step(assistant("hello"))
+    env.reset(seed=1)  # the env still works
+    env.close()
+
+
+def test_a_harness_may_return_its_own_reward(tasks):
+    env = make(tasks, harness="tests.envs.test_harness:reward_agent")
+    env.reset(seed=0)
+    _, reward, terminated, _, info = env.step(assistant("good"))
+    assert terminated and reward == 0.75 and info["outcome"]["success"]
+    env.close()
+
+
+def test_requests_of_an_earlier_episode_are_refused(tasks):
+    env = make(tasks)
+    env.reset(seed=0)
+    stale = env.unwrapped.endpoint.open(env.unwrapped._token)  # this episode's base URL
+    env.reset(seed=1)
+    client = OpenAI(base_url=stale, api_key="x", max_retries=0)
+    with pytest.raises(Exception, match=r"409|over"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    env.close()
+
+
+def first_reply_agent(base_url: str, task: dict) -> None:
+    """Asks once and lets the env grade the policy's reply (what gymnasium's checker needs)."""
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+
+
+def test_gymnasium_check_env(tasks):
+    env = make(tasks, harness="tests.envs.test_harness:first_reply_agent")
+    check_env(env.unwrapped)
+    env.close()
+
+
+def test_the_expert_comes_from_the_kwargs_and_the_state_is_not_restorable(tasks):
+    env = HarnessEnv(harness="tests.envs.test_harness:calc_agent", path=tasks, expert="x:Y")
+    assert env.expert == "x:Y"
+    with pytest.raises(ValueError, match="cannot be continued"):
+        env.set_state(env.get_state())
+    env.close()
