@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from envs.base import ToolEnv
-from envs.graders import make_grader, normalise, references
+from envs.graders import checked_grader, normalise, references
 from envs.taskset import TaskSet
 from envs.types import HELDOUT_SEEDS, Message, Outcome, assistant, user
 
@@ -93,10 +93,7 @@ class DatasetEnv(ToolEnv):
             self.taskset = _sample(**split)
         else:
             self.taskset = TaskSet.load(path, **keys, **split)
-        self.grader = make_grader(grader, judge=judge, **keys)
-        check_rows = getattr(self.grader, "check_rows", None)
-        if check_rows is not None:  # e.g. numeric: every reference must hold a number
-            check_rows(self.taskset.train + self.taskset.heldout, self.taskset.source)
+        self.grader = checked_grader(grader, self.taskset, judge=judge, **keys)
         self.prompt_key, self.answer_key, self.system = prompt_key, answer_key, system
         self.tool_timeout_s = tool_timeout_s
         self.mcp_servers = list(mcp or [])

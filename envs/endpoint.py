@@ -8,6 +8,11 @@ or `Request.fail`. The base URL carries a per-episode token (`open(token)`); a r
 an older token (a harness of an earlier episode still running) is refused with 409, so a
 stale agent can never write into the current episode.
 
+With `prefix_token=False` there is no token: `POST /v1/chat/completions` and `GET /v1/models`
+are served at `url` (`http://HOST:PORT/v1`) for any caller, on the `host` and `port` given
+(`agentrl serve`, rl/run/serve_model.py). A request's sampling settings (`temperature`,
+`top_p`, `max_tokens`, ...) are kept, unchecked, in `Request.options` for its owner to honour.
+
     endpoint = Endpoint()
     base_url = endpoint.open("ep-1")           # http://127.0.0.1:PORT/ep-1/v1
     request = endpoint.inbox.get(timeout=60)   # what an `openai` client sent there
@@ -30,6 +35,8 @@ from envs.types import Message
 
 MAX_BODY = 64 * 2**20
 """Largest request body accepted (bytes)."""
+OPTION_KEYS = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed")
+"""The request body's sampling settings kept in `Request.options` (when not null)."""
 
 
 @dataclass(slots=True)
@@ -41,13 +48,22 @@ class Request:
     model: str
     token: str = ""
     """The episode token of the URL it came in under."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The body's OPTION_KEYS as sent (not checked here)."""
     _done: threading.Event = field(default_factory=threading.Event)
     _answer: tuple[int, dict[str, Any]] | None = None
 
-    def reply(self, message: Message) -> dict[str, Any]:
+    def reply(
+        self,
+        message: Message,
+        *,
+        usage: dict[str, int] | None = None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
         """Answer with an assistant message (its tool calls in our format, see envs/types.py);
-        returns the `chat.completion` sent (its tool calls carry the ids the agent will cite)."""
-        body = completion(message, self.model)
+        returns the `chat.completion` sent (its tool calls carry the ids the agent will cite).
+        `usage` and `finish_reason` as in `completion`."""
+        body = completion(message, self.model, usage=usage, finish_reason=finish_reason)
         self._finish(200, body)
         return body
 
@@ -66,8 +82,16 @@ class Request:
         return self._answer
 
 
-def completion(message: Message, model: str) -> dict[str, Any]:
-    """An OpenAI `chat.completion` object for our assistant message."""
+def completion(
+    message: Message,
+    model: str,
+    *,
+    usage: dict[str, int] | None = None,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    """An OpenAI `chat.completion` object for our assistant message; `usage` holds
+    prompt_tokens and completion_tokens (zeros when None); `finish_reason` defaults to
+    "tool_calls" for a message with tool calls, else "stop"."""
     calls = [
         {
             "id": f"call_{uuid.uuid4().hex[:12]}",
@@ -91,12 +115,17 @@ def completion(message: Message, model: str) -> dict[str, Any]:
             {
                 "index": 0,
                 "message": out,
-                "finish_reason": "tool_calls" if calls else "stop",
+                "finish_reason": finish_reason or ("tool_calls" if calls else "stop"),
                 "logprobs": None,
             }
         ],
-        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        "usage": _usage(usage or {}),
     }
+
+
+def _usage(counts: dict[str, int]) -> dict[str, int]:
+    prompt, done = counts.get("prompt_tokens", 0), counts.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
 def _arguments_text(arguments: Any) -> str:
@@ -106,11 +135,22 @@ def _arguments_text(arguments: Any) -> str:
 class Endpoint:
     """The HTTP server of one env instance; see the module docstring."""
 
-    def __init__(self, *, model: str = "agentrl", reply_timeout_s: float | None = 600.0):
+    def __init__(
+        self,
+        *,
+        model: str = "agentrl",
+        reply_timeout_s: float | None = 600.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        prefix_token: bool = True,
+    ):
+        """Listen on `host`:`port` (0: a free port; OSError when it cannot bind); with
+        `prefix_token` routes live under a token (`open`), without it under `/v1` directly."""
         self.model, self.reply_timeout_s = model, reply_timeout_s
+        self.host, self.prefix_token = host, prefix_token
         self.inbox: queue.Queue[Request] = queue.Queue()
         self._token: str | None = None
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server = ThreadingHTTPServer((host, port), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="agentrl-endpoint", daemon=True
@@ -121,13 +161,18 @@ class Endpoint:
     def port(self) -> int:
         return self._server.server_address[1]
 
+    @property
+    def url(self) -> str:
+        """The base URL without a token (what a `prefix_token=False` endpoint serves)."""
+        return f"http://{self.host}:{self.port}/v1"
+
     def open(self, token: str) -> str:
         """Accept requests under `token` only (earlier tokens get 409); returns the base URL."""
         self._token = token
-        return f"http://127.0.0.1:{self.port}/{token}/v1"
+        return f"http://{self.host}:{self.port}/{token}/v1"
 
     def accepts(self, token: str) -> bool:
-        return bool(token) and token == self._token
+        return not self.prefix_token or (bool(token) and token == self._token)
 
     def close(self) -> None:
         self._token = None
@@ -164,15 +209,16 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
 
 
 def answer_get(endpoint: Endpoint, url: str) -> tuple[int, dict[str, Any]]:
-    token, path = _split(url)
+    token, path = _split(url, endpoint.prefix_token)
     if path == "/v1/models" and endpoint.accepts(token):
-        return 200, {"object": "list", "data": [{"id": endpoint.model}]}
+        model = {"id": endpoint.model, "object": "model", "created": 0, "owned_by": "agentrl"}
+        return 200, {"object": "list", "data": [model]}
     return 404, _problem(f"no route {url}")
 
 
 def answer_post(endpoint: Endpoint, url: str, raw: bytes) -> tuple[int, dict[str, Any]]:
     """Queue a chat request for the episode's owner and wait for its answer."""
-    token, path = _split(url)
+    token, path = _split(url, endpoint.prefix_token)
     if path != "/v1/chat/completions":
         return 404, _problem(f"no route {url}")
     if not endpoint.accepts(token):
@@ -200,9 +246,12 @@ def _problem(text: str) -> dict[str, Any]:
     return {"error": {"message": text, "type": "invalid_request_error"}}
 
 
-def _split(path: str) -> tuple[str, str]:
-    """'/<token>/v1/chat/completions?x' -> ('<token>', '/v1/chat/completions')."""
+def _split(path: str, prefix_token: bool = True) -> tuple[str, str]:
+    """'/<token>/v1/chat/completions?x' -> ('<token>', '/v1/chat/completions');
+    without `prefix_token`, '/v1/chat/completions?x' -> ('', '/v1/chat/completions')."""
     path = path.split("?", 1)[0]
+    if not prefix_token:
+        return "", "/" + path.lstrip("/")
     token, _, rest = path.lstrip("/").partition("/")
     return token, "/" + rest
 
@@ -223,6 +272,7 @@ def parse_request(body: dict[str, Any], model: str) -> Request:
         messages=[normal_message(m) for m in messages],
         tools=[_tool_schema(t) for t in tools],
         model=str(body.get("model") or model),
+        options={k: body[k] for k in OPTION_KEYS if body.get(k) is not None},
     )
 
 

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from envs.registry import load_object
+from envs.taskset import TaskSet
 from envs.types import Outcome
 
 BUILTIN_GRADERS = ("exact", "numeric", "judge")
@@ -83,6 +84,24 @@ def make_grader(
     if not callable(fn):
         raise ValueError(f"env.grader {spec!r} is {type(fn).__name__}, not a function")
     return FunctionGrader(fn, spec, answer_key)
+
+
+def checked_grader(
+    spec: str,
+    taskset: TaskSet,
+    *,
+    judge: dict[str, Any] | None = None,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+) -> Grader:
+    """`make_grader`, then the grader's own check of every row of `taskset` (numeric: every
+    reference must hold a number), so a bad file fails when the env is built (`agentrl
+    check`), not in every episode. The one way envs/dataset.py and envs/harness.py get theirs."""
+    grader = make_grader(spec, judge=judge, prompt_key=prompt_key, answer_key=answer_key)
+    check_rows = getattr(grader, "check_rows", None)
+    if check_rows is not None:
+        check_rows(taskset.train + taskset.heldout, taskset.source)
+    return grader
 
 
 def references(row: dict[str, Any], answer_key: str) -> list[Any]:

@@ -49,11 +49,16 @@ from typing import Any, ClassVar
 import gymnasium
 
 from envs.endpoint import Endpoint, Request
-from envs.graders import make_grader
+from envs.graders import checked_grader
 from envs.registry import load_object
 from envs.spaces import MessageSpace, MessagesSpace
 from envs.taskset import TaskSet
 from envs.types import HELDOUT_SEEDS, Message, Outcome
+
+_NOT_RESTORABLE = (
+    "a harness episode cannot be saved and continued (the agent's own state lived in its "
+    "process); a retried task starts its episodes again"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +86,8 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
         split_seed: int = 0,
         max_turns: int = 4,
         success_threshold: float = 0.5,
-        first_request_timeout_s: float = 120.0,
-        step_timeout_s: float = 120.0,
+        first_request_timeout_s: float = 30.0,
+        step_timeout_s: float = 50.0,
         expert: str | None = None,
     ):
         if max_turns < 1:
@@ -91,26 +96,21 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
         if not callable(fn):
             raise ValueError(f"harness {harness!r} is not a function")
         self.harness, self.max_turns = fn, max_turns
+        keys = {"prompt_key": prompt_key, "answer_key": answer_key}
         self.taskset = TaskSet.load(
-            path,
-            prompt_key=prompt_key,
-            answer_key=answer_key,
-            heldout_fraction=heldout_fraction,
-            split_seed=split_seed,
+            path, **keys, heldout_fraction=heldout_fraction, split_seed=split_seed
         )
-        self.grade_answer = make_grader(
-            grader, judge=judge, prompt_key=prompt_key, answer_key=answer_key
-        )
+        self.grade_answer = checked_grader(grader, self.taskset, judge=judge, **keys)
         self.answer_key, self.success_threshold = answer_key, success_threshold
         self.first_request_timeout_s, self.step_timeout_s = first_request_timeout_s, step_timeout_s
         self.expert = expert
         """The scripted expert ("module:Class") for SFT demonstrations (envs.make_expert)."""
         self.observation_space = MessagesSpace(roles=("system", "user", "tool"))
         self.action_space = MessageSpace(roles=("assistant",))
-        self.endpoint = Endpoint(reply_timeout_s=step_timeout_s + first_request_timeout_s)
+        self.endpoint = Endpoint(reply_timeout_s=None)  # reset, close and _abandon answer all
         self._token = ""
         self._pending: Request | None = None
-        self._seen = 0
+        self._sent: list[dict[str, Any]] = []
         self._turn = 0
         self._row: dict[str, Any] = {}
         self._last_answer = ""
@@ -141,7 +141,7 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
                 "the harness returned before it called the model"
                 + (f": {type(event.error).__name__}: {event.error}" if event.error else "")
             )
-        self._pending, self._seen = event, len(event.messages)
+        self._pending, self._sent = event, event.messages
         opening = [_plain(m) for m in event.messages]
         return opening, {"tools": event.tools}
 
@@ -171,14 +171,16 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
         self.endpoint.close()
 
     # --- save and continue --------------------------------------------------------------------
+    restorable: ClassVar[bool] = False
+    """A harness episode cannot be saved and continued elsewhere: the agent's own state lives
+    in its process. The rollout saves no turn boundaries for it (rollout/serve.py), so a task
+    retried after a worker crash starts its episodes again."""
+
     def get_state(self) -> dict[str, Any]:
-        return {"env": "agentrl/harness", "turn": self._turn}
+        raise RuntimeError(_NOT_RESTORABLE)
 
     def set_state(self, state: dict[str, Any]) -> None:
-        raise ValueError(
-            "a harness episode cannot be continued from a saved state (the agent's own state "
-            "lived in its process); the task starts its episodes again"
-        )
+        raise ValueError(_NOT_RESTORABLE)
 
     # --- internals ------------------------------------------------------------------------------
     def _continue(self, observation: list[Message], counts: dict[str, int]):
@@ -214,17 +216,20 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
         return outcome, float(outcome.success)
 
     def _observation(self, request: Request, names: dict[str, str]) -> list[Message]:
-        """The messages of `request` after our last reply, as observation messages."""
-        messages = request.messages
-        if len(messages) <= self._seen or messages[self._seen]["role"] != "assistant":
-            request.fail(400, "the request must extend the episode's messages with our reply")
+        """The messages of `request` after our last reply, as observation messages; ValueError
+        (the episode's env error) when the request does not extend what the agent sent before
+        with our reply: the trajectory would not be what the agent saw."""
+        messages, seen = request.messages, len(self._sent)
+        kept = len(messages) > seen and messages[seen]["role"] == "assistant"
+        if not kept or not all(_same(a, b) for a, b in zip(self._sent, messages, strict=False)):
+            request.fail(400, "the request must resend the episode's messages and our reply")
             raise ValueError(
-                f"the harness's request ({len(messages)} messages) does not extend the episode's "
-                f"{self._seen} messages and the policy's reply; a harness must resend its history"
+                f"the harness's request ({len(messages)} messages) does not extend its earlier "
+                f"{seen} messages and the policy's reply: a harness must resend its history "
+                "unchanged, one request at a time"
             )
-        new = messages[self._seen + 1 :]
-        self._seen = len(messages)
-        return [_observed(m, names) for m in new]
+        self._sent = messages
+        return [_observed(m, names) for m in messages[seen + 1 :]]
 
     def _next_event(self, timeout_s: float) -> Request | Finished:
         """The next request or the harness's return for this episode (stale ones are refused)."""
@@ -275,6 +280,13 @@ async def _awaited(awaitable: Any) -> Any:
 
 def _calls(completion: dict[str, Any]) -> list[dict[str, Any]]:
     return completion["choices"][0]["message"].get("tool_calls") or []
+
+
+def _same(before: dict[str, Any], now: dict[str, Any]) -> bool:
+    """The same message resent (our replies may come back reformatted: roles only for them)."""
+    if before["role"] != now["role"]:
+        return False
+    return before["role"] == "assistant" or before.get("content") == now.get("content")
 
 
 def _plain(message: dict[str, Any]) -> Message:

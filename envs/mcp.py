@@ -26,8 +26,11 @@ What is mapped: each MCP tool becomes `{"type": "function", "function": {"name":
 validates arguments against the server's own schema before calling. A result's content blocks are
 joined into text: text blocks as they are, others summarised (`[image image/png]`,
 `[resource file:///x]`; an embedded text resource adds its text); with no text block the
-structured content is JSON. A result with `isError`, an MCP error and a lost server all become
-`ToolError`, so the model sees an error observation and the episode goes on.
+structured content is JSON. A result with `isError` and an MCP error become `ToolError`, so the
+model sees an error observation and the episode goes on. A server that stopped during the run (its
+process died, its connection closed) raises `MCPServerGone`, an `envs.tools.EnvBroken` that
+`Toolbox.call` lets through: `env.step` raises, the rollout ends the episode as an env error
+(rollout/env_error_rate), rather than the policy training on tools that only say "not running".
 
 Timeouts: `startup_timeout_s` bounds connecting to every server and listing its tools; a server
 that fails raises MCPStartError naming it, its command or URL, the reason and the tail of its
@@ -39,7 +42,9 @@ Lifecycle: `start()` runs one asyncio event loop in a daemon thread owned by the
 server connection lives in a task on that loop, and the sync tool functions submit calls to it.
 `close()` closes the sessions, stops stdio children (stdin closed, then SIGTERM, then SIGKILL)
 and the loop; it is idempotent, runs when the instance is garbage-collected or the interpreter
-exits, and `with MCPTools(...) as tools:` calls it. Each env instance starts its own servers.
+exits, and `with MCPTools(...) as tools:` calls it. The garbage-collection finalizer only starts
+the shutdown, in a new daemon thread: cyclic GC may run it on any thread, an MCP event-loop thread
+included, where a blocking shutdown would deadlock. Each env instance starts its own servers.
 
 Save and continue: `ToolEnv.set_state` replays the saved actions, so it calls the MCP tools
 again. They must be deterministic (same arguments, same result; no side effects that a second
@@ -49,6 +54,7 @@ transcript differs.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +63,7 @@ from typing import Any
 from envs.mcp_servers import (
     CALL_GRACE_S,
     Connections,
+    MCPServerGone,
     MCPStartError,
     ServerSpec,
     parse_server,
@@ -66,6 +73,7 @@ from envs.tools import Toolbox, ToolError
 
 __all__ = [
     "MCPCall",
+    "MCPServerGone",
     "MCPStartError",
     "MCPTools",
     "ServerSpec",
@@ -100,7 +108,7 @@ class MCPTools:
         self.startup_timeout_s = float(startup_timeout_s)
         self._connections: Connections | None = None
         self._tools: list[tuple[dict[str, Any], MCPCall]] = []
-        self._close: Callable[[], Any] | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     def start(self) -> MCPTools:
         """Start every server and list its tools (raises MCPStartError if one fails)."""
@@ -108,7 +116,7 @@ class MCPTools:
             raise RuntimeError("MCPTools.start() was already called; make a new MCPTools")
         connections = Connections(self.specs, self.timeout_s)
         self._connections = connections
-        self._close = weakref.finalize(self, connections.shutdown)
+        self._finalizer = weakref.finalize(self, _shutdown_soon, connections)
         try:
             listings = connections.start(self.startup_timeout_s)
             self._tools = self._map(listings)
@@ -149,9 +157,11 @@ class MCPTools:
         return self._connections.call(server, remote, local, arguments)
 
     def close(self) -> None:
-        """Close the sessions, stop the servers and the event loop. Safe to call again."""
-        if self._close is not None:
-            self._close()
+        """Close the sessions, stop the servers and the event loop (here, before returning).
+        Safe to call again."""
+        if self._finalizer is not None and self._finalizer.detach() is not None:
+            assert self._connections is not None
+            self._connections.shutdown()
 
     def __enter__(self) -> MCPTools:
         return self if self._connections is not None else self.start()
@@ -181,6 +191,22 @@ class MCPCall:
 
     def __call__(self, **arguments: Any) -> str:
         return self.owner.call(self.server, self.remote, self.name, arguments)
+
+
+def _shutdown_soon(connections: Connections) -> None:
+    """The finalizer of a garbage-collected MCPTools. Cyclic GC runs it on whatever thread
+    allocates at the time, even an MCP event-loop thread (this instance's, where `shutdown`
+    waiting on its own loop would deadlock, or another's, which it would block), so it stops the
+    servers from a new daemon thread. At interpreter exit (the main thread has finished and
+    atexit runs finalizers) a new thread may never run: then it shuts down in place."""
+    if not threading.main_thread().is_alive():
+        connections.shutdown()
+        return
+    stopper = threading.Thread(target=connections.shutdown, name="mcp-tools-stop", daemon=True)
+    try:
+        stopper.start()
+    except RuntimeError:  # no new threads at interpreter shutdown
+        connections.shutdown()
 
 
 def attach(toolbox: Toolbox, tools: MCPTools) -> None:

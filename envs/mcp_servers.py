@@ -3,7 +3,8 @@
 `Connections` owns one asyncio event loop in a daemon thread. Each server's session lives in its
 own task on that loop (entered and left in that task, as anyio requires) until `shutdown`; calls
 come from any thread with `call`, which waits for the answer and raises `ToolError` for every
-failure. Users go through `envs.mcp.MCPTools`; this module is its machinery.
+failure of the call, or `MCPServerGone` (an `EnvBroken`) once the server itself is gone. Users go
+through `envs.mcp.MCPTools`; this module is its machinery.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import httpx2  # the HTTP client of the MCP SDK
 from mcp import Client, MCPError
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
-from mcp_types import REQUEST_TIMEOUT
+from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
-from envs.tools import ToolError
+from envs.tools import EnvBroken, ToolError
 
 STDIO_KEYS = ("command", "args", "env", "cwd")
 HTTP_KEYS = ("url", "headers")
@@ -46,6 +47,24 @@ MAX_LIST_PAGES = 100
 
 class MCPStartError(RuntimeError):
     """An MCP server could not be started, reached or listed (the message says which and why)."""
+
+
+class MCPServerGone(EnvBroken):
+    """An MCP server stopped during the run (its process died, its connection closed): every
+    later call would fail, so the env step raises (the episode ends as an env error) instead of
+    the model seeing "not running" observations forever. `server` is its label, `reason` what
+    happened."""
+
+    def __init__(self, server: str, reason: str):
+        super().__init__(
+            f"{server} stopped during the run ({reason}); this env's MCP tools cannot work any "
+            "more: the episode ends as an env error, and a new env starts the server again"
+        )
+        self.server = server
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.server, self.reason))
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +181,12 @@ def _block_text(block: Any) -> str:
         text = getattr(inner, "text", None)
         return f"[resource {inner.uri}]" + (f"\n{text}" if isinstance(text, str) else "")
     return f"[{kind or type(block).__name__}]"
+
+
+def _connection_closed(exc: MCPError) -> bool:
+    """The SDK's own "the transport closed" error (a server's error answer may reuse the code
+    -32000, so the message is checked too)."""
+    return exc.code == CONNECTION_CLOSED and exc.message == "Connection closed"
 
 
 def _reason(exc: BaseException) -> str:
@@ -295,14 +320,21 @@ class Connections:
     async def _call(self, server: int, remote: str, local: str, arguments: dict[str, Any]) -> str:
         spec = self.specs[server]
         client = self.clients.get(server)
+        if client is None and self.closed:
+            raise ToolError(f"{local}: the MCP servers were closed")
         if client is None:
-            why = self.stopped.get(server, "it is not connected")
-            raise ToolError(f"{local}: {spec.label} is not running ({why})")
+            raise MCPServerGone(spec.label, self.stopped.get(server, "it is not connected"))
         try:
             result = await client.call_tool(remote, arguments, read_timeout_seconds=self.timeout_s)
         except MCPError as exc:
             if exc.code == REQUEST_TIMEOUT:
                 raise ToolError(f"{local} timed out after {self.timeout_s:g} s") from None
+            if _connection_closed(exc) and self.closed:  # close() ran during the call
+                raise ToolError(f"{local}: the MCP servers were closed during the call") from None
+            if _connection_closed(exc):
+                raise MCPServerGone(
+                    spec.label, f"its connection closed{self._tail(server)}"
+                ) from None
             raise ToolError(f"{spec.label}: {exc.message}") from None
         except Exception as exc:
             raise ToolError(f"{spec.label}: {_reason(exc)}") from None

@@ -34,7 +34,7 @@ import numpy as np
 
 from envs.registry import ensure_registered, make_expert
 from envs.spaces import MessageSpace, MessagesSpace
-from envs.types import Message
+from envs.types import HELDOUT_SEEDS, Message
 
 MIX_ID = "agentrl/Mix-v0"
 STATE_VERSION = 1
@@ -221,7 +221,7 @@ class MixtureEnv(gymnasium.Env[list[Message], Message]):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         if seed is None:  # after a seeded reset, unseeded ones are reproducible too
-            seed = int(self.np_random.integers(2**31))
+            seed = int(self.np_random.integers(HELDOUT_SEEDS))  # a training seed, never held out
         index = pick(seed, self.weights)
         observation, info = self.envs[index].reset(seed=seed, options=options)
         self._index = index

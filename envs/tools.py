@@ -4,7 +4,9 @@ The schema comes from `transformers.utils.get_json_schema` (type hints + Google-
 so it is the same schema Hugging Face chat templates and TRL render. Calls are validated against
 the schema; every failure (unknown tool, bad JSON, missing or mistyped argument, oversized
 arguments, the tool raising or hanging past its timeout) becomes an error *message* for the model,
-never an exception for the caller.
+never an exception for the caller. The one exception is `EnvBroken`: a tool raises it when the env
+itself can no longer work (an MCP server died), and `Toolbox.call` lets it through, so `env.step`
+raises and the rollout ends the episode as an env error instead of training on broken tools.
 
     @tool                      # sync, the env's default timeout
     def add(self, a: int, b: int) -> int: ...
@@ -53,6 +55,14 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 
 class ToolError(Exception):
     """Raised inside a tool (or by validation) to send a clean error message to the model."""
+
+
+class EnvBroken(RuntimeError):
+    """Raised by a tool when the env can no longer work at all (e.g. its MCP server died), so
+    every later call would fail too. `Toolbox.call` re-raises it instead of making it an error
+    observation: `env.step` raises, the rollout ends the episode as an env error (counted in
+    rollout/env_error_rate) and the env should be replaced. Not for the model's mistakes: those
+    are `ToolError`."""
 
 
 def _schema_for(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -209,7 +219,7 @@ def _short(text: Any, limit: int = 60) -> str:
 
 
 class Toolbox:
-    """The tools of one env instance, looked up by name; `call` never raises."""
+    """The tools of one env instance, looked up by name; `call` raises only `EnvBroken`."""
 
     def __init__(
         self,
@@ -287,7 +297,8 @@ class Toolbox:
         return self._tools.get(name)
 
     def call(self, call: Any) -> tuple[Message, bool]:
-        """Run one tool call; returns (tool message, ok)."""
+        """Run one tool call; returns (tool message, ok). Every failure is the message, except
+        `EnvBroken` (the env cannot work any more), which propagates."""
         fn = call.get("function") if isinstance(call, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not name:
@@ -305,6 +316,8 @@ class Toolbox:
             result = run_with_timeout(bound, kwargs, timeout)
         except ToolError as exc:
             return _error(name, str(exc)), False
+        except EnvBroken:
+            raise
         except Exception as exc:  # a tool bug is the model's observation, not our crash
             return _error(name, f"{type(exc).__name__}: {exc}"), False
         return tool_result(name, _render(result, self.max_result_chars)), True

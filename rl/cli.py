@@ -13,6 +13,7 @@ agentrl envs check agentrl/Calculator-v0 [difficulty=2 ...]
 agentrl eval runs/quickstart-YYYYmmdd-HHMMSS [--tasks N] [--samples K] [--no-greedy] [--json]
 agentrl eval MODEL_DIR --config configs/quickstart.yaml   # a model directory: name the run file
 agentrl export runs/quickstart-YYYYmmdd-HHMMSS [STEP] [-o OUT]  # default <run>/export-step-N
+agentrl serve TARGET [--host 127.0.0.1] [--port 8000] [--max-batch 16]  # OpenAI-compatible URL
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import os
 import sys
 from pathlib import Path
 
-from rl.config.mix import check_mix_expert
 from rl.config.runfile import (
     ConfigError,
     RunConfig,
@@ -33,30 +33,9 @@ from rl.config.runfile import (
     run_file_schema,
 )
 from rl.observe.trackers import check_installed
+from rl.run.commands import add_after_training, run_dir_arg
 from rl.run.devices import check_devices
-
-RUN_FILES = {"config.yaml", "metrics.jsonl", "trajectories.jsonl", "summary.json"}
-RUN_DIR_FIX = "pass a run directory made by agentrl train, e.g. runs/quickstart-YYYYmmdd-HHMMSS"
-
-
-def run_dir_arg(path: str, needs: str | None = None, key: str = "RUN_DIR") -> Path:
-    """A run directory named on the command line (plot, show, monitor, train --resume), or a
-    ConfigError saying what is wrong with it and what to pass instead."""
-    run_dir = Path(path)
-    if not run_dir.exists():
-        raise ConfigError(key, f"{run_dir} does not exist; {RUN_DIR_FIX}")
-    if not run_dir.is_dir():
-        fix = f"pass its directory, {run_dir.parent}" if run_dir.name in RUN_FILES else RUN_DIR_FIX
-        raise ConfigError(key, f"{run_dir} is a file, not a run directory; {fix}")
-    if needs and not (run_dir / needs).is_file():
-        if (run_dir / "config.yaml").is_file():
-            raise ConfigError(
-                key,
-                f"{run_dir} has no {needs} yet: the run has not written it; try after its "
-                "first step",
-            )
-        raise ConfigError(key, f"{run_dir} is not a run directory (no {needs}); {RUN_DIR_FIX}")
-    return run_dir
+from rl.run.env_checks import check_env, check_env_id
 
 
 def output_arg(path: str, default_name: str) -> Path:
@@ -76,73 +55,6 @@ def output_arg(path: str, default_name: str) -> Path:
     return out
 
 
-def _check_env_id(data: dict) -> None:
-    """An unknown `env.id` (no entry point) fails here, before the policy's settings are checked
-    (that imports torch and transformers: seconds), with the closest registered ids."""
-    env = data.get("env")
-    env = env if isinstance(env, dict) else {}
-    mix = env.get("mix") if isinstance(env.get("mix"), list) else []
-    sections = [("env.id", env)] + [(f"env.mix[{i}].id", entry) for i, entry in enumerate(mix)]
-    for key, section in sections:
-        if not isinstance(section, dict):  # the typed build names what is wrong with it
-            continue
-        env_id = section.get("id")  # (none: the default, a built-in)
-        if section.get("entry_point") is None and isinstance(env_id, str):
-            from envs.registry import RegistrationError, ensure_registered
-
-            try:
-                ensure_registered(env_id)
-            except RegistrationError as exc:
-                raise ConfigError(key, str(exc)) from None
-
-
-def _check_env(cfg: RunConfig) -> None:
-    if cfg.env.mix is not None:  # each env of the mix as if alone (stages cannot change a mix)
-        for i, entry in enumerate(cfg.env.mix):
-            _check_one_env(entry, f"env.mix[{i}].", [(f"env.mix[{i}].kwargs", {})])
-            check_mix_expert(cfg, entry, f"env.mix[{i}].id")
-    else:
-        stages = [
-            (f"curriculum.{i}.env_kwargs", s.env_kwargs) for i, s in enumerate(cfg.curriculum)
-        ]
-        _check_one_env(cfg.env, "env.", [("env.kwargs", {}), *stages])
-    if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():
-        raise ConfigError("policy.path", f"{cfg.policy.path!r} is not a directory")
-
-
-def _check_one_env(env, prefix: str, stages: list[tuple[str, dict]]) -> None:
-    """Register `env` (an env section or a mix entry), bind and build it with its kwargs and
-    each stage's; a ConfigError names the key (`prefix` + id, entry_point or kwargs.KEY)."""
-    import envs
-    from envs.registry import check_build
-
-    try:  # an `env.entry_point` is registered under `env.id` here (and in each worker)
-        envs.ensure_registered(env.id, env.entry_point)
-    except envs.RegistrationError as exc:
-        key = "entry_point" if env.entry_point else "id"
-        raise ConfigError(prefix + key, str(exc)) from None
-    for where, extra in stages:
-        kwargs = {**env.kwargs, **extra}
-        try:
-            envs.check_kwargs(env.id, kwargs)  # the env's class takes these names
-            check_build(env.id, kwargs)  # built once (and closed): values it refuses
-        except envs.RegistrationError as exc:
-            raise ConfigError(_env_key(env, where, exc.key), str(exc)) from None
-
-
-def _env_key(env, where: str, key: str | None) -> str:
-    """The run-file key an env build error names: env.dataset / env.grader (env.mix[i].dataset
-    / ...grader for an entry of a mix) when the run file wrote the shorthand
-    (rl/config/dataset.py), else `where`.`key`."""
-    if env.dataset is not None and where.startswith("env.") and where.endswith(".kwargs"):
-        prefix = where.removesuffix("kwargs")
-        if key in (None, "path"):  # the task file's content
-            return prefix + "dataset"
-        if key == "grader" and env.grader is not None:
-            return prefix + "grader"
-    return f"{where}.{key}" if key else where
-
-
 def load(args) -> RunConfig:
     if getattr(args, "resume", None):
         if args.config and "=" in args.config:  # `train --resume DIR key=value`: no run file
@@ -155,9 +67,9 @@ def load(args) -> RunConfig:
     elif not args.config:
         raise ConfigError("", "name a run file, e.g. agentrl train configs/quickstart.yaml")
     data = run_file_data(args.config, args.overrides)
-    _check_env_id(data)
+    check_env_id(data)
     cfg = build_config(data)
-    _check_env(cfg)
+    check_env(cfg)
     check_installed(cfg)  # metrics.wandb / metrics.mlflow on without its package
     check_devices(cfg)  # an explicit cuda this machine cannot serve (local Ray)
     return cfg
@@ -313,35 +225,14 @@ def cmd_envs(args) -> int:
     return 0 if report.passed else 1
 
 
-def cmd_eval(args) -> int:
-    from rl.run.offline_eval import evaluate_target, run_file_of
+def cmd_serve(args) -> int:
+    from rl.run.serve_model import serve
 
-    target = Path(args.target)
-    data = run_file_data(run_file_of(target, args.config))
-    _check_env_id(data)
-    cfg = build_config(data)
-    _check_env(cfg)
-    report = evaluate_target(
-        target,
-        cfg,
-        tasks=args.tasks,
-        samples=args.samples,
-        greedy=args.greedy,
-        json_output=args.json,
-    )
-    print(json.dumps(report.to_json(), indent=2) if args.json else "\n".join(report.lines()))
-    return 0
-
-
-def cmd_export(args) -> int:
-    from rl.run.export import export_checkpoint
-
-    run_dir = run_dir_arg(args.run_dir, "config.yaml")
-    out = Path(args.output) if args.output else None
-    if out is not None and out.exists() and not out.is_dir():
-        raise ConfigError("--output", f"{out} is a file; name a directory to write the model to")
-    done = export_checkpoint(run_dir, args.step, out)
-    print(f"exported step {done.step} ({done.checkpoint}) to {done.path}")
+    flags = ("host", "port", "max_batch", "max_tokens", "device")
+    try:  # Ctrl-C while serving stops it cleanly (0); while the model loads: 130
+        serve(Path(args.target), **{name: getattr(args, name) for name in flags})
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 
@@ -407,40 +298,24 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--episodes", type=int, default=5, help="seeded episodes per check")
     sp.add_argument("--long-steps", type=int, default=32, help="steps of the long episode")
     sp.set_defaults(fn=cmd_envs)
-    add_after_training(sub, common)
+    add_after_training(sub, common)  # eval, export (rl/run/commands.py)
+    add_serve(sub, common)
     return p
 
 
-def add_after_training(sub, common) -> None:
-    sp = sub.add_parser(
-        "eval", help="the held-out evaluation alone, with 95%% intervals", parents=[common]
-    )
-    sp.add_argument("target", metavar="TARGET", help="a run directory, or a model directory")
-    sp.add_argument("--tasks", type=int, metavar="N", help="held-out tasks (default: eval.tasks)")
-    sp.add_argument("--samples", type=int, metavar="K", help="per task (default: eval.samples)")
-    sp.add_argument(
-        "--greedy",
-        action=argparse.BooleanOptionalAction,
-        help="also evaluate greedily (default: eval.greedy)",
-    )
-    sp.add_argument(
-        "--config",
-        metavar="RUN_FILE",
-        help="the run file whose env and eval settings apply (a model directory needs one)",
-    )
-    sp.add_argument(
-        "--json", action="store_true", help="print one JSON object (progress goes to stderr)"
-    )
-    sp.set_defaults(fn=cmd_eval)
-    sp = sub.add_parser(
-        "export", help="a checkpoint as a model directory transformers loads", parents=[common]
-    )
-    sp.add_argument("run_dir", metavar="RUN_DIR")
-    sp.add_argument("step", nargs="?", type=int, metavar="STEP", help="default: the latest")
-    sp.add_argument(
-        "-o", "--output", metavar="OUT", help="write it here (default: <run>/export-step-N)"
-    )
-    sp.set_defaults(fn=cmd_export)
+def add_serve(sub, common) -> None:
+    text = "serve a model at an OpenAI-compatible URL (Ctrl-C stops it), e.g. for a judge"
+    sp = sub.add_parser("serve", help=text, description=text, parents=[common])
+    sp.add_argument("target", metavar="TARGET", help="a model directory, or a run directory")
+    for flag, kind, default, what in (
+        ("--host", str, "127.0.0.1", "the address to listen on"),
+        ("--port", int, 8000, "0: any free port"),
+        ("--max-batch", int, 16, "the most requests sampled together"),
+        ("--max-tokens", int, 1024, "the most tokens of one reply"),
+        ("--device", str, "auto", "cpu, cuda or auto (cuda where torch sees one)"),
+    ):
+        sp.add_argument(flag, type=kind, default=default, help=f"{what} (default: %(default)s)")
+    sp.set_defaults(fn=cmd_serve)
 
 
 def add_show(sub, common) -> None:

@@ -257,7 +257,8 @@ class AgentLoop:
 
     def _after_env_step(self, episode: Episode, future: Future) -> None:
         ids = apply_env_step(episode, future.result, self.renderer)
-        if ids is None:
+        if ids is None:  # finished; an env whose step raised is not trusted with another
+            episode.env_broken = episode.traj.status is RolloutStatus.ENV_ERROR
             return
         if episode.traj.num_turns >= self.limits.max_turns:
             episode.finish(RolloutStatus.TRUNCATED, "out of turns")

@@ -7,7 +7,9 @@ tokens with loss mask 0. Finished episodes drop out; the rest go round again.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -73,6 +75,23 @@ def run_episodes(
         if not e.done:
             e.finish(RolloutStatus.TRUNCATED, "out of turns")
     return [e.traj for e in episodes]
+
+
+def restorable(env) -> bool:
+    """Whether an unfinished episode of `env` can be saved and continued (`get_state` /
+    `set_state`); an env says no with `restorable = False` (envs/harness.py)."""
+    return bool(getattr(getattr(env, "unwrapped", env), "restorable", True))
+
+
+def discard(env) -> None:
+    """Close an env that will not be used again, on a daemon thread: a timed-out tool may
+    still hold it, and its close (an agent's endpoint, MCP servers) must not stall the loop."""
+
+    def close() -> None:
+        with contextlib.suppress(Exception):
+            env.close()
+
+    threading.Thread(target=close, name="agentrl-env-close", daemon=True).start()
 
 
 def task_id(env, env_id: str, seed: int) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 from policy.sampling import SamplingParams
 from rollout.agent import AgentLoop, Episode, start_episode
 from rollout.codec import decode_episode, encode_episode
-from rollout.episode import task_id
+from rollout.episode import discard, restorable, task_id
 from rollout.tasks import Task, TaskQueue
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
@@ -213,6 +213,7 @@ class AsyncRollouts:
         r.group.done[r.index] = traj
         self.queue.save_episodes(task.group_id, {r.index: encode_episode(traj, {"final": 1})})
         self.counters["restore_failures"] += 1
+        discard(r.env)
 
     # -- progress ------------------------------------------------------------------------------
     def _finished(self, episode: Episode) -> None:
@@ -220,12 +221,15 @@ class AsyncRollouts:
         group = self.groups[group_id]
         group.done[int(index)] = episode.traj
         self.queue.save_episodes(group_id, {int(index): encode_episode(episode.traj, {"final": 1})})
-        if not episode.env_broken:
+        if episode.env_broken:
+            discard(episode.env)
+        else:
             self.free_envs.append(episode.env)
 
     def _snapshot(self, episode: Episode) -> None:
         """Between two turns (observation appended, env idle): encode it as it is now."""
-        self.snapshots[episode.key] = (episode.traj.num_turns, _encode(episode))
+        if restorable(episode.env):
+            self.snapshots[episode.key] = (episode.traj.num_turns, _encode(episode))
 
     def _save_turn_boundaries(self) -> None:
         """Write the snapshots of the last tick (one HSET per group)."""
@@ -245,8 +249,8 @@ class AsyncRollouts:
         how many were saved."""
         by_group: dict[str, dict[int, bytes]] = {}
         for episode in list(self.loop.live.values()):
-            if episode.tool is not None or episode.done:
-                continue  # its env is busy: the last saved turn stands
+            if episode.tool is not None or episode.done or not restorable(episode.env):
+                continue  # its env is busy (the last saved turn stands), or cannot be saved
             group_id, _, index = episode.key.rpartition("/")
             by_group.setdefault(group_id, {})[int(index)] = _encode(episode)
             self.groups[group_id].saved_turns[int(index)] = episode.traj.num_turns

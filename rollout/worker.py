@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from policy.engines import open_session
 from policy.sampling import SamplingParams
 from rollout.agent import AgentLoop, run_all, start_episode
-from rollout.episode import EpisodeLimits, Policy, run_episodes, task_id
+from rollout.episode import EpisodeLimits, Policy, discard, run_episodes, task_id
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Scorer, Trajectory, TrajectoryGroup
 
@@ -98,6 +98,7 @@ class RolloutWorker:
             trajs = run_all(loop, episodes, sampling, max_live=self.max_episodes)
             for i, episode in enumerate(episodes):
                 if episode.env_broken:  # a timed-out tool may still hold it
+                    discard(self._envs[i])
                     self._envs[i] = self.env_factory()
             return trajs
         envs = self._env_pool(len(seeds))

@@ -105,5 +105,5 @@ def cluster_output_error(ray_address: str, output_dir: str) -> ConfigError | Non
         "workers and learner ranks on other nodes read the policy from the run directory and "
         "the learner writes checkpoints there, each in its own working directory. Set "
         "output_dir to an absolute path on a filesystem every node mounts at the same path "
-        "(e.g. output_dir=/mnt/shared/runs; docs/cluster.md)",
+        "(e.g. output_dir=/mnt/agentrl/runs; docs/cluster.md)",
     )

@@ -12,46 +12,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    model_validator,
-)
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-from rl.config.dataset import check_grader, expand_shorthand
-from rl.config.errors import ConfigError, config_error
+from rl.config.base import Section
+from rl.config.errors import ConfigError
+from rl.config.mix import EnvKeys, MixEntry, default_id, expand_mix
 from rl.config.resources import Resources, ask, fold_cpus
 from rl.config.runtime_env import RuntimeEnv
-
-MIX_ID = "agentrl/Mix-v0"
-"""The env `env.mix` maps to (envs/mixture.py)."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True
-    )
-
-    def __init__(self, /, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise config_error(exc, type(self)) from None
-
-    # Only a direct call comes through here. A section inside another is validated by pydantic
-    # without calling __init__ (a custom __init__ would be called, and would translate errors
-    # before their key path is complete); this marker is how pydantic's RootModel says so.
-    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _empty_is_default(cls, data: Any) -> Any:
-        """A section written with nothing under it (`redis:`) takes its defaults."""
-        return {} if data is None else data
 
 
 def _plain_name(value: str) -> str:
@@ -141,36 +108,9 @@ class RedisConfig(Section):
         return self
 
 
-def _entry_point(value: str | None) -> str | None:
-    if value is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
-        raise ValueError(f"must look like 'package.module:EnvClass'; got {value!r}")
-    return value
-
-
-class EnvConfig(Section):
+class EnvConfig(EnvKeys):
     """The tool environment to train on."""
 
-    id: str | None = None
-    """A gymnasium id of a tool environment (default agentrl/Calculator-v0); with `entry_point`,
-    the id to register it under (default <module>/<Class>-v0)."""
-    entry_point: Annotated[str | None, AfterValidator(_entry_point)] = None
-    """"package.module:EnvClass" of an env that is not registered yet (a module in the current
-    directory works); registered under `id` before the run starts."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Passed to gymnasium.make (they override the registered defaults)."""
-    dataset: str | None = None
-    """A .jsonl or .parquet file of tasks (a prompt and an answer per row) to train on, with no
-    env class to write: it selects agentrl/Dataset-v0 (so no `id` or `entry_point`) and becomes
-    its kwargs.path, resolved against the current directory. Its other options go in kwargs:
-    prompt_key, answer_key, heldout_fraction, split_seed, system, judge, mcp
-    (docs/environments.md, "Tasks from a data file")."""
-    grader: Annotated[str | None, AfterValidator(check_grader)] = None
-    """How a `dataset` answer is graded: exact, numeric, judge (an LLM at kwargs.judge.url) or
-    "package.module:function" (null: exact); becomes kwargs.grader."""
-    harness: str | None = None
-    """"package.module:function" of your own agent (sync or async, `run(base_url, task)`),
-    trained through agentrl's OpenAI-compatible endpoint on the tasks of `dataset`: it selects
-    agentrl/Harness-v0 (envs/harness.py; docs/environments.md, "Bring your own agent")."""
     mix: list[MixEntry] | None = None
     """Several envs in one run: a list of entries, each with the keys of `env:` (id,
     entry_point, kwargs, dataset, ...) and a `weight` (> 0, default 1.0). Each task comes from
@@ -179,62 +119,9 @@ class EnvConfig(Section):
     from each env's expert, and metrics are per env (env/<id>/success_rate, episodes,
     reward_mean). The other keys of `env:` stay unset beside it."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _dataset(cls, data: Any) -> Any:
-        """`dataset` / `grader` -> agentrl/Dataset-v0 and its kwargs (rl/config/dataset.py)."""
-        return expand_shorthand(data)
-
     @model_validator(mode="after")
-    def _mix(self) -> EnvConfig:
-        """`mix` is agentrl/Mix-v0 with the entries as kwargs.envs (a saved config.yaml, which
-        has both, loads again)."""
-        if self.mix is None:
-            return self
-        if not self.mix:
-            raise ConfigError("mix", "is empty; list the envs to mix (a mix of one works)")
-        made = {"id": MIX_ID, "kwargs": {"envs": [entry.mix_entry() for entry in self.mix]}}
-        for key in sorted(self.model_fields_set - {"mix"}):
-            default = type(self).model_fields[key].get_default(call_default_factory=True)
-            if getattr(self, key) not in (default, made.get(key)):
-                raise ConfigError(
-                    key,
-                    f"cannot be set beside mix: the mix is {MIX_ID}, and each of its envs takes "
-                    f"its own {key} (env.mix[i].{key}); move it into the entries, or drop mix",
-                )
-        self.id, self.kwargs = made["id"], made["kwargs"]
-        return self
-
-    @model_validator(mode="after")
-    def _default_id(self) -> EnvConfig:
-        if self.id is None and self.entry_point is not None:
-            module, _, cls = self.entry_point.partition(":")
-            self.id = f"{module.split('.')[0]}/{cls}-v0"
-        if self.id is None:
-            self.id = "agentrl/Calculator-v0"
-        return self
-
-
-class MixEntry(EnvConfig):
-    """One env of `env.mix`: the keys of `env:` and its weight."""
-
-    weight: float = Field(1.0, gt=0)
-    """Share of the tasks drawn from this env: weight / the sum of the mix's weights."""
-
-    @model_validator(mode="after")
-    def _not_nested(self) -> MixEntry:
-        if self.mix is not None:
-            raise ConfigError("mix", "an entry of a mix cannot be a mix; list its envs in env.mix")
-        return self
-
-    def mix_entry(self) -> dict[str, Any]:
-        """This entry as agentrl/Mix-v0's `envs` lists it."""
-        entry = {"id": self.id, "kwargs": dict(self.kwargs), "weight": self.weight}
-        return entry if self.entry_point is None else {**entry, "entry_point": self.entry_point}
-
-
-EnvConfig.model_rebuild()  # `mix` names MixEntry, defined after it
-MixEntry.model_rebuild()
+    def _complete(self) -> EnvConfig:
+        return default_id(expand_mix(self))  # rl/config/mix.py: `mix` -> agentrl/Mix-v0
 
 
 def _penalty(value: float) -> float:

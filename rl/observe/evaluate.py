@@ -1,11 +1,15 @@
 """Held-out evaluation results, with 95% Wilson intervals at the effective sample size of the
-task clustering (rl/observe/stats.py). rl/run/evals.py runs the evaluation on the workers."""
+task clustering (rl/observe/stats.py), per env for a mixture of envs. `held_out_eval` is the one
+way to run an evaluation mode: rl/run/evals.py (the run's workers, through Ray) and
+rl/run/offline_eval.py (`agentrl eval`, one worker in process) both go through it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
+from envs.mixture import MIX_ID, env_of_seed
 from envs.types import HELDOUT_SEEDS
 from rl.observe.stats import success_interval
 
@@ -41,6 +45,43 @@ class EvalResult:
 
     def __str__(self) -> str:
         return f"{self.success:6.1%} [{self.ci_low:.1%}, {self.ci_high:.1%}]"
+
+    def per_env_text(self) -> str:
+        """`; per env: <id> 80.0% [70.1%, 87.2%]; ...` for the eval line ("" for one env)."""
+        parts = [f"{env} {s:.1%} [{lo:.1%}, {hi:.1%}]" for env, (s, lo, hi) in self.per_env.items()]
+        return f"; per env: {'; '.join(parts)}" if parts else ""
+
+
+def eval_seeds(tasks: int) -> list[int]:
+    """The held-out seeds of an evaluation on `tasks` tasks (the same ones in every run)."""
+    return [EVAL_SEED_OFFSET + i for i in range(tasks)]
+
+
+def mixture_envs(cfg: Any) -> Callable[[int], str] | None:
+    """seed -> env id for a run whose env is a mixture of envs (envs/mixture.py; `env.mix`),
+    None for one env."""
+    mix = cfg.env.kwargs.get("envs") if cfg.env.id == MIX_ID else None
+    return None if mix is None else env_of_seed(mix)
+
+
+def held_out_eval(
+    mode: str,
+    samples: int,
+    chunks: Sequence[Sequence[int]],
+    run: Callable[[list[list[int]]], list],
+    *,
+    env_of: Callable[[int], str] | None = None,
+) -> EvalResult:
+    """One evaluation mode over the held-out seeds `eval_seeds(tasks)`, split into `chunks` (in
+    any split; empty chunks are dropped). `run(chunks)` evaluates them, `samples` episodes per
+    seed, and returns one worker answer per chunk, in order (`RolloutWorker.evaluate`'s
+    (per-task successes, counters)). With `env_of` (`mixture_envs`), also the result per env."""
+    asked = [list(chunk) for chunk in chunks if chunk]
+    answers = run(asked)
+    if len(answers) != len(asked):
+        raise ValueError(f"{len(answers)} evaluation answers for {len(asked)} chunks of seeds")
+    seeds = [seed for chunk in asked for seed in chunk]
+    return eval_result(mode, len(seeds), samples, answers, seeds=seeds, env_of=env_of)
 
 
 def eval_result(

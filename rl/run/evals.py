@@ -9,9 +9,8 @@ import time
 
 import ray
 
-from envs.mixture import MIX_ID, env_of_seed
 from policy.sampling import SamplingParams
-from rl.observe.evaluate import EVAL_SEED_OFFSET, EvalResult, eval_result
+from rl.observe.evaluate import EvalResult, eval_seeds, held_out_eval, mixture_envs
 from rl.observe.metrics import MetricsLogger, eval_record
 from rl.run.build import sampling
 from rl.run.curriculum import staged
@@ -22,20 +21,17 @@ logger = logging.getLogger(__name__)
 def evaluate(
     workers, *, tasks: int, samples: int, sampling: SamplingParams, mode: str, env_of=None
 ) -> EvalResult:
-    """`env_of`: a mixture's seed -> env id (`mixture_envs`), for per-env results."""
-    seeds = [EVAL_SEED_OFFSET + i for i in range(tasks)]
+    """The held-out seeds split over the workers, evaluated at once; `env_of`: a mixture's
+    seed -> env id (`mixture_envs`), for per-env results."""
+    seeds = eval_seeds(tasks)
     chunks = [seeds[i :: len(workers)] for i in range(len(workers))]
-    answers = ray.get(
-        [w.evaluate.remote(c, samples, sampling) for w, c in zip(workers, chunks, strict=True) if c]
-    )
-    asked = [seed for chunk in chunks for seed in chunk]  # in the order of the answers
-    return eval_result(mode, tasks, samples, answers, seeds=asked, env_of=env_of)
 
+    def run(asked: list[list[int]]) -> list:
+        return ray.get(
+            [w.evaluate.remote(c, samples, sampling) for w, c in zip(workers, asked, strict=False)]
+        )
 
-def mixture_envs(cfg):
-    """seed -> env id for a mixture of envs (envs/mixture.py), None for one env."""
-    mix = cfg.env.kwargs.get("envs") if cfg.env.id == MIX_ID else None
-    return None if mix is None else env_of_seed(mix)
+    return held_out_eval(mode, samples, chunks, run, env_of=env_of)
 
 
 def set_stage(cfg, workers, index: int | None) -> None:
@@ -73,14 +69,11 @@ def run_evals(cfg, workers, renderer, log: MetricsLogger, *, step: int, label: s
             label, mode, result.success, result.ci_low, result.ci_high, result.per_env
         )
         log.log(step, record, phase="eval")
-        per_env = "; ".join(
-            f"{env} {s:.1%} [{lo:.1%}, {hi:.1%}]" for env, (s, lo, hi) in result.per_env.items()
-        )
         logger.info(
             f"eval after {label.upper()}"
             + (f" step {step}" if step else "")
             + f", {mode}: {result} on {cfg.eval.tasks} held-out tasks "
-            f"({time.perf_counter() - start:.0f} s)" + (f"; per env: {per_env}" if per_env else "")
+            f"({time.perf_counter() - start:.0f} s){result.per_env_text()}"
         )
     return out
 

@@ -5,8 +5,9 @@ to a temporary directory, else its sft-model/ or policy-init/) or a model direct
 and weights; the env then comes from a run file). The evaluation is the run's (rl/run/evals.py):
 the held-out seeds from EVAL_SEED_OFFSET, at the curriculum's longest stage, sampled at the
 run's temperature with `samples` episodes per task and greedy, each with its 95% Wilson interval
-clustered by task (rl/observe/evaluate.py). One rollout worker runs every episode, with the
-threads the run's workers had together (at most this machine's cores).
+clustered by task (rl/observe/evaluate.py), and per env for a mixture of envs (`env.mix`). One
+rollout worker runs every episode, with the threads the run's workers had together (at most this
+machine's cores).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from policy.sampling import SamplingParams
 from rl.config.runfile import ConfigError, RunConfig
 from rl.observe.console import PACKAGES
-from rl.observe.evaluate import EVAL_SEED_OFFSET, EvalResult, eval_result
+from rl.observe.evaluate import EvalResult, eval_seeds, held_out_eval, mixture_envs
 from rl.run.build import build_worker, sampling
 from rl.run.curriculum import staged
 from rl.run.devices import local_gpus
@@ -62,7 +63,7 @@ class EvalReport:
         """The model evaluated, then one line per mode in the format of the run's eval lines."""
         return [f"model: {self.model.name} ({self.model.source})"] + [
             f"eval after {self.model.label}, {mode}: {result} on {self.tasks} held-out "
-            f"tasks ({self.seconds[mode]:.0f} s)"
+            f"tasks ({self.seconds[mode]:.0f} s){result.per_env_text()}"
             for mode, result in self.results.items()
         ]
 
@@ -237,15 +238,21 @@ def evaluate_model(
 
 
 def _run_mode(worker, cfg, mode: str, tasks: int, samples: int, params: SamplingParams, progress):
-    """The seeds in chunks of about twice the live-episode limit, a progress line after each."""
-    seeds = [EVAL_SEED_OFFSET + i for i in range(tasks)]
-    chunk = max(1, 2 * cfg.rollout.max_episodes // samples)
-    answers, start = [], time.perf_counter()
-    for i in range(0, tasks, chunk):
-        answers.append(worker.evaluate(seeds[i : i + chunk], samples, params))
-        done = min(i + chunk, tasks)
-        progress(
-            f"eval {mode}: {done * samples}/{tasks * samples} episodes "
-            f"({time.perf_counter() - start:.0f} s)"
-        )
-    return eval_result(mode, tasks, samples, answers)
+    """The seeds in chunks of about twice the live-episode limit, a progress line after each;
+    per env for a mixture of envs, as in the run."""
+    seeds = eval_seeds(tasks)
+    size = max(1, 2 * cfg.rollout.max_episodes // samples)
+    chunks = [seeds[i : i + size] for i in range(0, tasks, size)]
+
+    def run(asked: list[list[int]]) -> list:
+        answers, done, start = [], 0, time.perf_counter()
+        for chunk in asked:
+            answers.append(worker.evaluate(chunk, samples, params))
+            done += len(chunk)
+            progress(
+                f"eval {mode}: {done * samples}/{tasks * samples} episodes "
+                f"({time.perf_counter() - start:.0f} s)"
+            )
+        return answers
+
+    return held_out_eval(mode, samples, chunks, run, env_of=mixture_envs(cfg))

@@ -7,8 +7,9 @@ share this machine's files and find a module in the current directory as the dri
 ships, as `py_modules`:
   - agentrl's own packages (envs, policy, reward, rl, rollout: the code of this checkout, which
     may differ from the copy installed on the nodes), and
-  - the module of each env entry point and "module:function" grader (`env.entry_point`,
-    `env.grader`, the same in each `env.mix` entry) that lies in the current directory, a
+  - the module of each env entry point, "module:function" grader, agent harness and scripted
+    expert (`env.entry_point`, `env.grader`, `env.harness`, `env.kwargs.expert`, the same in
+    each `env.mix` entry) that lies in the current directory, a
     `name.py` file or a `name/` package found there, not an installed package: that module
     alone, not the whole directory (which may hold runs/ and a .venv);
 and `AGENTRL_LOG_LEVEL` (rl/observe/console.py) in `env_vars`. `runtime_env_for` says in one line
@@ -100,13 +101,18 @@ def _envs(cfg: RunConfig) -> list[tuple[str, EnvConfig]]:
 
 def entry_points(cfg: RunConfig) -> list[tuple[str, str]]:
     """(run-file key, "module:name") of the code the run's envs import from a module: entry
-    points, and graders given as "module:function"."""
+    points, graders given as "module:function", harnesses and experts named in kwargs."""
     found = []
     for prefix, env in _envs(cfg):
         if env.entry_point:
             found.append((f"{prefix}.entry_point", env.entry_point))
         if env.grader and ":" in env.grader:
             found.append((f"{prefix}.grader", env.grader))
+        if env.harness:
+            found.append((f"{prefix}.harness", env.harness))
+        expert = env.kwargs.get("expert")
+        if isinstance(expert, str) and ":" in expert:
+            found.append((f"{prefix}.kwargs.expert", expert))
     return found
 
 

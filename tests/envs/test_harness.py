@@ -13,6 +13,7 @@ from openai import OpenAI
 import envs  # noqa: F401  (registers agentrl/Harness-v0)
 from envs.harness import HarnessEnv
 from envs.types import assistant, tool_call
+from rollout.episode import restorable
 
 CALC = {
     "type": "function",
@@ -170,6 +171,29 @@ def test_gymnasium_check_env(tasks):
 def test_the_expert_comes_from_the_kwargs_and_the_state_is_not_restorable(tasks):
     env = HarnessEnv(harness="tests.envs.test_harness:calc_agent", path=tasks, expert="x:Y")
     assert env.expert == "x:Y"
-    with pytest.raises(ValueError, match="cannot be continued"):
-        env.set_state(env.get_state())
+    assert not restorable(env)  # the rollout saves no turn boundaries for it
+    with pytest.raises(RuntimeError, match="cannot be saved"):
+        env.get_state()
+    with pytest.raises(ValueError, match="cannot be saved"):
+        env.set_state({})
+    env.close()
+
+
+def rewriting_agent(base_url: str, task: dict) -> str:
+    """Changes its system prompt between requests: what the policy saw is not what it sends."""
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "v1"}, {"role": "user", "content": "q"}]
+    reply = client.chat.completions.create(model="m", messages=messages, tools=[CALC])
+    call = reply.choices[0].message.tool_calls[0]
+    messages = [{"role": "system", "content": "v2"}, *messages[1:]]
+    messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+    messages += [{"role": "tool", "tool_call_id": call.id, "content": "2"}]
+    return client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+
+
+def test_a_request_that_rewrites_the_history_is_an_env_error(tasks):
+    env = make(tasks, harness="tests.envs.test_harness:rewriting_agent")
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="resend its history"):
+        env.step(assistant("", [tool_call("add", {"a": 1, "b": 1})]))
     env.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import subprocess
 import sys
@@ -18,8 +19,16 @@ import psutil
 import pytest
 
 from envs import Outcome, ToolEnv, tool
-from envs.mcp import MCPStartError, MCPTools, parse_server, result_text, use_mcp
-from envs.tools import Toolbox, ToolError
+from envs.mcp import (
+    MCPServerGone,
+    MCPStartError,
+    MCPTools,
+    attach,
+    parse_server,
+    result_text,
+    use_mcp,
+)
+from envs.tools import EnvBroken, Toolbox, ToolError
 from envs.types import Message, assistant, tool_call, user
 
 SERVER = Path(__file__).resolve().parents[2] / "configs" / "mcp" / "calc_server.py"
@@ -174,6 +183,48 @@ def test_the_context_manager_closes():
         assert [s["function"]["name"] for s, _ in tools.tools] == ["calc_calculate"]
         [child] = [p for p in _server_children() if p.pid not in before]
     assert _gone(child.pid)
+
+
+def test_a_server_that_died_breaks_the_env_instead_of_failing_every_call():
+    before = {p.pid for p in _server_children()}
+    with MCPTools([STDIO], timeout_s=5.0) as tools:
+        toolbox = Toolbox([], timeout_s=30.0)
+        attach(toolbox, tools)
+        assert _call(toolbox, "calculate", {"expression": "1 + 1"})[0]["content"] == "2"
+        [child] = [p for p in _server_children() if p.pid not in before]
+        child.kill()
+        child.wait(10)
+        for _ in range(2):  # and every later call: the env is broken, not the model's call
+            with pytest.raises(MCPServerGone, match=r"MCP server 'calc' .* stopped") as caught:
+                _call(toolbox, "calculate", {"expression": "1 + 1"})
+            assert isinstance(caught.value, EnvBroken) and not isinstance(caught.value, ToolError)
+            assert caught.value.server.startswith("MCP server 'calc'")
+        assert _call(toolbox, "calculate", {"expression": 5})[1] is False  # still validated first
+
+
+def test_the_garbage_collector_on_an_mcp_loop_thread_does_not_block_it():
+    # MCPTools is in a reference cycle (its tools point back at it): cyclic GC may finalize it on
+    # any thread, its own event-loop thread included, where a blocking shutdown would deadlock
+    before = {p.pid for p in _server_children()}
+    tools = MCPTools([STDIO]).start()
+    [child] = [p for p in _server_children() if p.pid not in before]
+    connections = tools._connections
+    del tools
+
+    async def collect() -> int:
+        return gc.collect()
+
+    gc.disable()  # the collection must happen on the loop thread, not here by chance
+    try:
+        future = asyncio.run_coroutine_threadsafe(collect(), connections.loop)
+        assert future.result(timeout=5) > 0
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 20
+    while not (_gone(child.pid) and not connections.thread.is_alive()):
+        assert time.monotonic() < deadline, "the finalizer did not stop the server"
+        time.sleep(0.05)
+    assert connections.closed
 
 
 def test_a_server_that_cannot_start_gives_a_clear_error():
@@ -367,6 +418,13 @@ def test_toolbox_add_registers_external_tools():
     )
     with pytest.raises(ValueError, match=r"taken twice: by the test and by .*test_mcp"):
         toolbox.add({"type": "function", "function": {"name": "boom"}}, boom)
+
+    def broken() -> str:  # the env cannot work any more: not an observation, the step raises
+        raise EnvBroken("the database is gone")
+
+    toolbox.add({"type": "function", "function": {"name": "broken"}}, broken)
+    with pytest.raises(EnvBroken, match="the database is gone"):
+        _call(toolbox, "broken", {})
 
 
 @pytest.mark.parametrize(

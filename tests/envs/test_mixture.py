@@ -54,6 +54,28 @@ def test_the_same_seed_gives_the_same_env_and_the_same_task():
         assert env.unwrapped.max_turns == alone[info["env_id"]].unwrapped.max_turns
 
 
+def test_unseeded_resets_draw_training_seeds_only():
+    # seeds >= HELDOUT_SEEDS are held-out (and >= DEMO_SEEDS demonstration) tasks: an unseeded
+    # reset must never train on them
+    env = mix()
+    used: list[int] = []
+
+    def recording(reset):
+        def wrapped(*, seed=None, options=None):
+            used.append(seed)
+            return reset(seed=seed, options=options)
+
+        return wrapped
+
+    for sub in env.unwrapped.envs:
+        sub.reset = recording(sub.reset)
+    env.reset(seed=0)
+    for _ in range(200):
+        env.reset()
+    assert len(used) == 201 and max(used) < HELDOUT_SEEDS
+    assert len(set(used[1:])) > 190  # still spread over the training seeds
+
+
 def test_gymnasium_check_env_and_agentrl_envs_check_pass():
     check_env(mix().unwrapped)
     report = check_tool_env(MIX_ID, kwargs={"envs": TWO}, episodes=3, long_steps=12)

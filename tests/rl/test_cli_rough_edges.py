@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rl import cli
 from rl.config.errors import ConfigError
+from rl.run.env_checks import check_env_id
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -151,13 +151,13 @@ def test_an_unknown_env_id_fails_fast_with_the_closest_id():
 
     start = time.perf_counter()
     with pytest.raises(ConfigError) as info:
-        cli._check_env_id({"env": {"id": "agentrl/Calculater-v0"}})
+        check_env_id({"env": {"id": "agentrl/Calculater-v0"}})
     seconds = time.perf_counter() - start
     assert info.value.key == "env.id"
     assert "did you mean 'agentrl/Calculator-v0'?" in info.value.message
     assert seconds < 0.5, f"the env id check took {seconds:.2f} s"
-    cli._check_env_id({"env": {"id": "agentrl/Calculator-v0"}})  # a known id passes
-    cli._check_env_id({"env": {"id": "acme/New-v0", "entry_point": "acme.new:NewEnv"}})
+    check_env_id({"env": {"id": "agentrl/Calculator-v0"}})  # a known id passes
+    check_env_id({"env": {"id": "acme/New-v0", "entry_point": "acme.new:NewEnv"}})
 
 
 def test_check_of_an_unknown_env_id_stops_before_the_policy_is_imported():

@@ -21,7 +21,7 @@ from rl.config.runfile import ConfigError, load_config
 from rl.run import launch
 from rl.run.launch import LaunchError, RedisTLS, check_external_redis, services, start_redis
 
-SHARED = "output_dir=/mnt/shared/runs"  # a cluster run needs an absolute run directory
+SHARED = "output_dir=/mnt/agentrl/runs"  # a cluster run needs an absolute run directory
 
 
 def error_for(*overrides: str) -> ConfigError:
@@ -269,6 +269,6 @@ def test_a_cluster_run_needs_an_absolute_run_directory():
     error = error_for("ray.address=auto")
     assert error.key == "output_dir"
     assert (
-        "relative path 'runs'" in error.message and "output_dir=/mnt/shared/runs" in error.message
+        "relative path 'runs'" in error.message and "output_dir=/mnt/agentrl/runs" in error.message
     )
     assert load_config(None, ["output_dir=runs"]).output_dir == "runs"  # one machine: fine

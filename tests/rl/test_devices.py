@@ -88,7 +88,7 @@ def test_cuda_without_a_gpu_fails_at_check_time(capsys):
     assert "config error: trainer.device: cuda needs a GPU" in err and "no CUDA GPU" in err
     assert main(["check", run_file, "rollout.device=cuda", "trainer.device=cpu"]) == 2
     assert "rollout.device: cuda needs a GPU" in capsys.readouterr().err
-    on_a_cluster = ["ray.address=auto", "output_dir=/mnt/shared/runs"]
+    on_a_cluster = ["ray.address=auto", "output_dir=/mnt/agentrl/runs"]
     assert main(["check", run_file, "trainer.device=cuda", *on_a_cluster]) == 0
     assert main(["check", run_file]) == 0  # auto
 

@@ -17,11 +17,11 @@ from envs.types import HELDOUT_SEEDS
 from policy.sampling import SamplingParams
 from reward import build_reward
 from rl.config.runfile import load_config
-from rl.observe.evaluate import EvalResult, eval_result
+from rl.observe.evaluate import EvalResult, eval_result, mixture_envs
 from rl.observe.metrics import MetricsLogger, console_line, eval_record, rollout_metrics
 from rl.observe.monitor_state import MonitorState
 from rl.observe.monitor_view import envs_tools
-from rl.run.evals import mixture_envs
+from rl.run.offline_eval import EvalModel, EvalReport, _run_mode
 from rollout.agent import AgentLoop
 from rollout.episode import EpisodeLimits, task_id
 from rollout.keys import RunKeys
@@ -170,3 +170,27 @@ def test_held_out_evaluation_reports_each_env():
     assert f"eval/grpo/greedy/env/{CALC}/ci_low" in record
     saved = json.loads(json.dumps(result.to_dict()))  # as the run state keeps it
     assert EvalResult(**saved).per_env == result.per_env
+
+
+def test_agentrl_eval_reports_each_env_like_the_run():
+    cfg = load_config(ROOT / "configs/mix.yaml")
+    env_of = mixture_envs(cfg)
+    counts = dict.fromkeys(
+        ("episodes", "tool_calls", "tool_errors", "parse_errors", "truncated"), 1
+    )
+
+    class Worker:  # RolloutWorker.evaluate's answer: (per-task successes, counters)
+        def evaluate(self, seeds, samples, params):
+            return [[env_of(s) == CALC] * samples for s in seeds], counts
+
+    progress: list[str] = []
+    result = _run_mode(Worker(), cfg, "greedy", 40, 2, None, progress.append)
+    assert progress[-1].startswith("eval greedy: 80/80 episodes")
+    assert result.tasks == 40 and result.per_env[CALC][0] == 1.0 and result.per_env[RETR][0] == 0.0
+    model = EvalModel(Path("runs/mix/final-model"), "GRPO", "the run's final-model/")
+    report = EvalReport("runs/mix", model, 40, {"greedy": result}, {"greedy": 3.0})
+    line = report.lines()[1]
+    assert line.startswith("eval after GRPO, greedy: ")
+    assert "on 40 held-out tasks (3 s); per env: " in line
+    assert f"{CALC} 100.0% [" in line and f"{RETR} 0.0% [" in line
+    assert report.to_json()["results"]["greedy"]["per_env"] == result.per_env

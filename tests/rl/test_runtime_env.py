@@ -145,6 +145,19 @@ def test_mix_entries_and_grader_modules_are_shipped_too(tmp_path, monkeypatch):
     assert data_files(cfg) == [("env.mix[2].dataset", str(tmp_path / "tasks.jsonl"))]
 
 
+def test_an_agent_harness_and_its_expert_are_shipped(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_agent.py").write_text("")
+    (tmp_path / "my_expert.py").write_text("")
+    (tmp_path / "tasks.jsonl").write_text("")
+    env = "env={harness: 'my_agent:run', dataset: tasks.jsonl, kwargs: {expert: 'my_expert:E'}}"
+    cfg = load_config(None, [*CLUSTER, env])
+    assert runtime_env_for(cfg).sources == {
+        str(tmp_path / "my_agent.py"): "env.harness",
+        str(tmp_path / "my_expert.py"): "env.kwargs.expert",
+    }
+
+
 ENV_MODULE = """
 import os
 WHERE = os.path.abspath(__file__)

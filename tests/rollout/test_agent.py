@@ -115,6 +115,25 @@ def test_a_tool_past_its_timeout_ends_only_that_episode(tokenizer):
     assert eps[1].env_broken
 
 
+class RaisingEnv(gymnasium.Wrapper):
+    """An env whose step raises (a harness that failed, an MCP server that died)."""
+
+    def step(self, action):
+        raise RuntimeError("the env broke")
+
+
+def test_an_env_whose_step_raised_is_not_reused(tokenizer):
+    renderer = ChatRenderer(tokenizer)
+    loop = AgentLoop(
+        ScriptedSession(tokenizer, expert_script(tokenizer)), renderer, EpisodeLimits()
+    )
+    eps = episodes(renderer, 2)
+    eps[1].env = RaisingEnv(eps[1].env)
+    trajs = run_all(loop, eps, params_for(renderer), max_live=2)
+    assert trajs[1].status is RolloutStatus.ENV_ERROR and "the env broke" in trajs[1].finish_detail
+    assert eps[1].env_broken and not eps[0].env_broken  # the worker replaces (and closes) it
+
+
 class HungEnv(gymnasium.Wrapper):
     """An env whose step never returns until `release` is set (a tool that hangs forever)."""
 

@@ -1,0 +1,82 @@
+"""Check-time checks of a run file's env, before anything starts (`agentrl train`, `check` and
+`eval` in rl/cli.py and rl/run/commands.py): the env id is known (`check_env_id`, on the raw run
+file, before the slow policy checks), then each env (every entry of a mix, each curriculum
+stage's kwargs) registers, takes its kwargs and builds once (`check_env`). Every failure is a
+ConfigError naming the run-file key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rl.config.mix import check_mix_expert
+from rl.config.runfile import ConfigError, RunConfig
+
+
+def check_env_id(data: dict) -> None:
+    """An unknown `env.id` (no entry point) fails here, before the policy's settings are checked
+    (that imports torch and transformers: seconds), with the closest registered ids."""
+    env = data.get("env")
+    env = env if isinstance(env, dict) else {}
+    mix = env.get("mix") if isinstance(env.get("mix"), list) else []
+    sections = [("env.id", env)] + [(f"env.mix[{i}].id", entry) for i, entry in enumerate(mix)]
+    for key, section in sections:
+        if not isinstance(section, dict):  # the typed build names what is wrong with it
+            continue
+        env_id = section.get("id")  # (none: the default, a built-in)
+        if section.get("entry_point") is None and isinstance(env_id, str):
+            from envs.registry import RegistrationError, ensure_registered
+
+            try:
+                ensure_registered(env_id)
+            except RegistrationError as exc:
+                raise ConfigError(key, str(exc)) from None
+
+
+def check_env(cfg: RunConfig) -> None:
+    """Every env of the run registers, takes its kwargs (each stage's too) and builds once; a
+    mix's entries each as if alone, with a scripted expert where needed; `policy.path` exists."""
+    if cfg.env.mix is not None:  # each env of the mix as if alone (stages cannot change a mix)
+        for i, entry in enumerate(cfg.env.mix):
+            _check_one_env(entry, f"env.mix[{i}].", [(f"env.mix[{i}].kwargs", {})])
+            check_mix_expert(cfg, entry, f"env.mix[{i}].id")
+    else:
+        stages = [
+            (f"curriculum.{i}.env_kwargs", s.env_kwargs) for i, s in enumerate(cfg.curriculum)
+        ]
+        _check_one_env(cfg.env, "env.", [("env.kwargs", {}), *stages])
+    if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():
+        raise ConfigError("policy.path", f"{cfg.policy.path!r} is not a directory")
+
+
+def _check_one_env(env: Any, prefix: str, stages: list[tuple[str, dict]]) -> None:
+    """Register `env` (an env section or a mix entry), bind and build it with its kwargs and
+    each stage's; a ConfigError names the key (`prefix` + id, entry_point or kwargs.KEY)."""
+    import envs
+    from envs.registry import check_build
+
+    try:  # an `env.entry_point` is registered under `env.id` here (and in each worker)
+        envs.ensure_registered(env.id, env.entry_point)
+    except envs.RegistrationError as exc:
+        key = "entry_point" if env.entry_point else "id"
+        raise ConfigError(prefix + key, str(exc)) from None
+    for where, extra in stages:
+        kwargs = {**env.kwargs, **extra}
+        try:
+            envs.check_kwargs(env.id, kwargs)  # the env's class takes these names
+            check_build(env.id, kwargs)  # built once (and closed): values it refuses
+        except envs.RegistrationError as exc:
+            raise ConfigError(_env_key(env, where, exc.key), str(exc)) from None
+
+
+def _env_key(env: Any, where: str, key: str | None) -> str:
+    """The run-file key an env build error names: env.dataset / env.grader (env.mix[i].dataset
+    / ...grader for an entry of a mix) when the run file wrote the shorthand
+    (rl/config/dataset.py), else `where`.`key`."""
+    if env.dataset is not None and where.startswith("env.") and where.endswith(".kwargs"):
+        prefix = where.removesuffix("kwargs")
+        if key in (None, "path"):  # the task file's content
+            return prefix + "dataset"
+        if key == "grader" and env.grader is not None:
+            return prefix + "grader"
+    return f"{where}.{key}" if key else where
