@@ -53,6 +53,7 @@ from envs.graders import checked_grader
 from envs.registry import load_object
 from envs.spaces import MessageSpace, MessagesSpace
 from envs.taskset import TaskSet
+from envs.tools import ToolError, validate_arguments
 from envs.types import HELDOUT_SEEDS, Message, Outcome
 
 _NOT_RESTORABLE = (
@@ -150,10 +151,10 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
             raise RuntimeError("step() called on a finished episode; call reset() first")
         self._turn += 1
         calls = action.get("tool_calls") or []
-        broken = [c for c in calls if c.get("error")]
-        if broken:  # never reaches the harness: the policy gets the parser's error, retries
-            observation = [_error(c["error"]) for c in broken]
-            counts = {"tool_calls": len(calls), "tool_errors": len(broken)}
+        problems = [p for p in (call_problem(c, self._pending.tools) for c in calls) if p]
+        if problems:  # never reaches the harness: the policy reads what was wrong, retries
+            observation = [_error(text) for text in problems]
+            counts = {"tool_calls": len(calls), "tool_errors": len(problems)}
             return self._continue(observation, counts)
         self._last_answer = action.get("content") or ""
         sent = self._pending.reply(action)
@@ -305,6 +306,28 @@ def _observed(message: dict[str, Any], names: dict[str, str]) -> Message:
         text = message.get("content") or json.dumps(message.get("tool_calls", []))
         return {"role": "user", "content": text}  # a turn the harness made itself
     return _plain(message)
+
+
+def call_problem(call: dict[str, Any], tools: list[dict[str, Any]]) -> str | None:
+    """What is wrong with a tool call the policy wrote, checked against the request's tools as
+    a ToolEnv's Toolbox checks its own (envs/tools.py): unparsable, an unknown tool, arguments
+    that are not the tool's; None when the call may go to the agent. Agents (and agent SDKs)
+    often raise on such calls, which would end the episode as an env error that is never
+    trained on: the policy would learn nothing from its own mistake, and could drift into it."""
+    if call.get("error"):
+        return str(call["error"])
+    fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+    name = fn.get("name")
+    schemas = {t["function"]["name"]: t for t in tools}
+    if not isinstance(name, str) or not name:
+        return 'malformed tool call; expected {"name": <tool>, "arguments": {...}}'
+    if name not in schemas:
+        return f"unknown tool {name[:60]!r} (available: {', '.join(schemas) or 'none'})"
+    try:
+        validate_arguments(schemas[name], fn.get("arguments", {}))
+    except ToolError as exc:
+        return str(exc)
+    return None
 
 
 def _error(text: str) -> Message:

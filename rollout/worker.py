@@ -91,10 +91,13 @@ class RolloutWorker:
                 cache_budget=self.cache_budget,
             )
             envs = self._env_pool(len(seeds))
-            episodes = [
-                start_episode(env, seed, f"run/{i}", task_id(env, self.env_id, seed), self.renderer)
-                for i, (env, seed) in enumerate(zip(envs, seeds, strict=True))
-            ]
+
+            def start(i: int) -> Any:  # resets run on the tool pool, side by side: an env
+                env, seed = envs[i], seeds[i]  # whose reset waits (an agent harness) stalls
+                key, tid = f"run/{i}", task_id(env, self.env_id, seed)  # only its own episode
+                return start_episode(env, seed, key, tid, self.renderer)
+
+            episodes = list(loop.pool.map(start, range(len(seeds))))
             trajs = run_all(loop, episodes, sampling, max_live=self.max_episodes)
             for i, episode in enumerate(episodes):
                 if episode.env_broken:  # a timed-out tool may still hold it

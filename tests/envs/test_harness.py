@@ -114,6 +114,28 @@ def test_a_tool_call_that_does_not_parse_never_reaches_the_harness(tasks):
     env.close()
 
 
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (tool_call("", {}), "malformed tool call"),
+        (tool_call("mul", {"a": 1, "b": 2}), "unknown tool 'mul' (available: add)"),
+        (tool_call("add", '": {"": {"8 - 5"}}'), "arguments for add are not valid JSON"),
+        (tool_call("add", {"a": 1}), "add is missing required argument 'b'"),
+    ],
+)
+def test_a_call_the_agent_cannot_run_is_answered_by_the_env(tasks, call, said):
+    """Agents raise on such calls (the Agents SDK: ModelBehaviorError), which would make the
+    policy's own mistake an env error, never trained on (a run drifted into it)."""
+    env = make(tasks)
+    opening, _ = env.reset(seed=0)
+    obs, _, terminated, truncated, info = env.step(assistant("", [call]))
+    assert said in obs[0]["content"] and info["tool_errors"] == 1
+    assert not terminated and not truncated
+    _, reward, terminated, _, _ = env.step(assistant(str(_sum(opening))))
+    assert terminated and reward == 1.0
+    env.close()
+
+
 def test_out_of_turns_truncates_and_releases_the_harness(tasks):
     env = make(tasks, max_turns=1)
     env.reset(seed=0)
