@@ -51,7 +51,9 @@ def main() -> None:
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    renderer = ChatRenderer(build_tokenizer(["What is 1 + 2? calculate(expression)"], 300))
+    renderer = ChatRenderer(
+        build_tokenizer(["What is 1 + 2? calculate(expression)"], vocab_size=300)
+    )
     envs_ = [gymnasium.make("agentrl/Harness-v0", **KWARGS) for _ in range(args.episodes)]
     seeds = list(range(args.episodes))
     best = {"one after another": float("inf"), "side by side (pool of 16)": float("inf")}
