@@ -3,7 +3,7 @@
 A harness is your agent, unchanged, as one function (sync or async) in your module:
 
     async def run(base_url: str, task: dict) -> str | float | bool | None:
-        client = AsyncOpenAI(base_url=base_url, api_key="agentrl")   # or an agent SDK on it
+        client = AsyncOpenAI(base_url=base_url, api_key="agentrl", max_retries=0)  # or an SDK
         ...                                   # call tools (your own, MCP servers) as you do now
         return final_answer                   # graded against the task's reference answer
 
@@ -26,9 +26,10 @@ the episode as an env error.
 Nothing is re-tokenized: the env speaks messages, and the rollout's agent loop keeps the exact
 sampled tokens, their logprobs, policy versions and routes, appending only the tokens of each
 observation to the episode's cache. The harness may change what it sends but must extend its
-earlier messages: a request that drops or rewrites our replies is an env error (the trajectory
-would not match what the agent saw). A tool call the policy wrote that does not parse never
-reaches the harness: the env answers it with an error observation and the request stays open.
+earlier messages: a request that drops or rewrites any of them is an env error (the trajectory
+would not match what the agent saw). A tool call the agent could not run (unparsable, an
+unknown tool, arguments its schema refuses) never reaches the harness: the env answers it with
+an error observation and the request stays open (`call_problem`).
 
 A harness episode cannot be saved and continued elsewhere (the agent's own state lives in its
 process): `set_state` refuses, so a task retried after a worker crash restarts its episodes.
@@ -169,6 +170,10 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
 
     def close(self) -> None:
         self._abandon()
+        while not self.endpoint.inbox.empty():  # requests no episode will answer: refused
+            event = self.endpoint.inbox.get_nowait()
+            if isinstance(event, Request):
+                event.fail(409, "this env is closed")
         self.endpoint.close()
 
     # --- save and continue --------------------------------------------------------------------
@@ -323,10 +328,22 @@ def call_problem(call: dict[str, Any], tools: list[dict[str, Any]]) -> str | Non
         return 'malformed tool call; expected {"name": <tool>, "arguments": {...}}'
     if name not in schemas:
         return f"unknown tool {name[:60]!r} (available: {', '.join(schemas) or 'none'})"
-    try:
-        validate_arguments(schemas[name], fn.get("arguments", {}))
+    params = schemas[name]["function"].get("parameters") or {}
+    closed = isinstance(params.get("properties"), dict) and not params.get("additionalProperties")
+    arguments = fn.get("arguments", {})
+    try:  # the agent's own schema: names and types checked only where it lists them all
+        if closed:
+            validate_arguments(schemas[name], arguments)
+        elif isinstance(arguments, str):
+            arguments = json.loads(arguments or "{}")
+        if not isinstance(arguments, dict):
+            return f"arguments for {name} must be a JSON object"
     except ToolError as exc:
         return str(exc)
+    except json.JSONDecodeError as exc:
+        return f"arguments for {name} are not valid JSON ({exc.msg})"
+    except Exception:  # a schema our checker does not read: the agent decides
+        return None
     return None
 
 

@@ -109,6 +109,8 @@ def open_episode(
     that raises is an env error of this episode (finished, never trained on), not of the worker."""
     try:
         observation, info = env.reset(seed=seed)
+        tools = info.get("tools", [])
+        prompt = renderer.prompt(observation, tools)  # (messages from outside may not render)
     except Exception as exc:
         traj = Trajectory(task_id=task_id, messages=[])
         traj.status, traj.finish_detail = (
@@ -116,9 +118,8 @@ def open_episode(
             f"reset raised {type(exc).__name__}: {exc}",
         )
         return traj, []
-    tools = info.get("tools", [])
     traj = Trajectory(task_id=task_id, messages=copy.deepcopy(observation))
-    traj.append(renderer.prompt(observation, tools), sampled=False)
+    traj.append(prompt, sampled=False)
     traj.prompt_length = len(traj.token_ids)
     return traj, tools
 
@@ -168,7 +169,11 @@ def apply_env_step(episode, step: Callable[[], tuple], renderer: ChatRenderer) -
         detail = "env terminated" if terminated else "env truncated"
         episode.finish(status, detail, info.get("outcome"))
         return None
-    ids = renderer.observation(traj.messages, observation, episode.tools)
+    try:  # an observation the template cannot render ends this episode, not the worker
+        ids = renderer.observation(traj.messages, observation, episode.tools)
+    except Exception as exc:
+        episode.finish(RolloutStatus.ENV_ERROR, f"{type(exc).__name__}: {exc}")
+        return None
     traj.messages.extend(copy.deepcopy(observation))
     traj.append(ids, sampled=False)
     return ids

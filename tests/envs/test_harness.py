@@ -136,6 +136,27 @@ def test_a_call_the_agent_cannot_run_is_answered_by_the_env(tasks, call, said):
     env.close()
 
 
+def test_free_form_tools_take_any_object_of_arguments():
+    from envs.harness import call_problem
+
+    free = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+    loose = {
+        "type": "function",
+        "function": {
+            "name": "q",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": True},
+                "additionalProperties": True,
+            },
+        },
+    }
+    assert call_problem(tool_call("search", {"q": "x"}), [free]) is None
+    assert call_problem(tool_call("q", {"x": 1, "y": 2}), [loose]) is None
+    assert "JSON object" in call_problem(tool_call("search", "[1]"), [free])
+    assert "not valid JSON" in call_problem(tool_call("search", "{"), [free])
+
+
 def test_out_of_turns_truncates_and_releases_the_harness(tasks):
     env = make(tasks, max_turns=1)
     env.reset(seed=0)

@@ -141,3 +141,26 @@ def test_context_limit_truncates(tokenizer):
     )
     assert trajs[0].finish_detail == "context full"
     assert len(trajs[0].token_ids) <= 300
+
+
+class _Unrenderable(ChatRenderer):
+    """A template that cannot render what an env (or an agent harness) sent."""
+
+    def prompt(self, messages, tools):
+        raise ValueError("template cannot render this")
+
+    def observation(self, history, new, tools):
+        raise ValueError("template cannot render this")
+
+
+def test_a_prompt_or_observation_that_does_not_render_ends_only_its_episode(tokenizer):
+    from rollout.episode import _Episode, apply_env_step, open_episode
+
+    env = gymnasium.make("agentrl/Calculator-v0")
+    traj, tools = open_episode(env, 0, "t#0", _Unrenderable(tokenizer))
+    assert traj.status is RolloutStatus.ENV_ERROR and "cannot render" in traj.finish_detail
+    traj, tools = open_episode(env, 0, "t#0", ChatRenderer(tokenizer))
+    episode = _Episode(env=env, traj=traj, tools=tools)
+    call = assistant("", [tool_call("calculate", {"expression": "1 + 1"})])
+    assert apply_env_step(episode, lambda: env.step(call), _Unrenderable(tokenizer)) is None
+    assert episode.done and episode.traj.status is RolloutStatus.ENV_ERROR
