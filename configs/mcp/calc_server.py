@@ -6,64 +6,32 @@
 Tools: `calculate(expression)` (numbers, + - * / and parentheses; parsed with `ast`, never
 `eval`), `slow(seconds)` (sleeps, then answers: for timeouts) and `fail()` (always raises: for
 error results). Use it from an env with `envs.mcp.use_mcp` (see docs/environments.md, "MCP tools").
-It needs only the `mcp` package.
+It needs the `mcp` package and agentrl (the calculator env's arithmetic, envs/calculator.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
-import operator
-from typing import Annotated, Any
+from typing import Annotated
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 
-MAX_EXPRESSION_CHARS = 200
-_OPS: dict[type, Any] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-}
+from envs.calculator import evaluate_expression, format_number
+from envs.tools import ToolError as CalcError
 
 server = MCPServer("calc", instructions="A calculator: call calculate with an expression.")
 
 
-def evaluate(expression: str) -> float:
-    """Evaluate + - * / and parentheses over numbers; raise ToolError for anything else."""
-    if len(expression) > MAX_EXPRESSION_CHARS:
-        raise ToolError(f"expression too long (max {MAX_EXPRESSION_CHARS} characters)")
+def evaluate(expression: str) -> str:
+    """The calculator env's own arithmetic (envs/calculator.py: + - * / and parentheses, parsed
+    with `ast`), its errors as MCP tool errors."""
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
-        raise ToolError(f"cannot parse expression {expression!r}") from None
-    return _eval(tree.body)
-
-
-def _eval(node: ast.AST) -> float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-        value = _eval(node.operand)
-        return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Div) and right == 0:
-            raise ToolError("division by zero")
-        result = _OPS[type(node.op)](left, right)
-        if abs(result) > 1e15:
-            raise ToolError("result too large")
-        return result
-    raise ToolError("only numbers, + - * / and parentheses are allowed")
-
-
-def _format(value: float) -> str:
-    if float(value).is_integer():
-        return str(int(value))
-    return f"{value:.6f}".rstrip("0").rstrip(".")
+        return format_number(evaluate_expression(expression))
+    except CalcError as exc:
+        raise ToolError(str(exc)) from None
 
 
 @server.tool(description="Evaluate an arithmetic expression.")
@@ -72,7 +40,7 @@ def calculate(
         str, Field(description='Numbers with + - * / and parentheses, e.g. "(12 + 7) * 3".')
     ],
 ) -> str:
-    return _format(evaluate(expression))
+    return evaluate(expression)
 
 
 @server.tool(description="Wait, then answer (for testing timeouts).")
