@@ -16,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.policy.test_export import clean_generate, engine_tokens
+from tests.rl.test_cli_rough_edges import refused
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -30,16 +31,6 @@ def agentrl(*argv: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
-
-
-def refused(proc: subprocess.CompletedProcess, *fragments: str) -> None:
-    """Exit 2, no traceback, one `agentrl: ...` line holding every fragment."""
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("agentrl"), proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], proc.stderr
 
 
 @pytest.fixture(scope="module")
