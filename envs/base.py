@@ -28,7 +28,7 @@ import gymnasium
 
 from envs.spaces import MessageSpace, MessagesSpace, is_message
 from envs.tools import Toolbox
-from envs.types import Message, Outcome, assistant
+from envs.types import Message, Outcome, assistant, check_state_owner, state_owner
 
 STATE_VERSION = 1
 
@@ -163,19 +163,14 @@ class ToolEnv(gymnasium.Env[list[Message], Message]):
             raise RuntimeError("get_state() before reset(): there is no episode to save")
         return {
             "version": STATE_VERSION,
-            "env": f"{type(self).__module__}:{type(self).__qualname__}",
+            "env": state_owner(self),
             **copy.deepcopy(self._replay),
             "transcript_sha256": _digest(self._transcript),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue the episode saved by `get_state()` (on this or another process or machine)."""
-        expected = f"{type(self).__module__}:{type(self).__qualname__}"
-        if state.get("version") != STATE_VERSION or state.get("env") != expected:
-            raise ValueError(
-                f"state is for {state.get('env')!r} (version {state.get('version')}); "
-                f"this env is {expected!r} (version {STATE_VERSION})"
-            )
+        check_state_owner(state, self, STATE_VERSION)
         self.np_random.bit_generator.state = copy.deepcopy(state["rng"])
         self._replay = {"rng": copy.deepcopy(state["rng"]), "options": state["options"]}
         self._replay["actions"] = []

@@ -34,7 +34,7 @@ import numpy as np
 
 from envs.registry import ensure_registered, make_expert
 from envs.spaces import MessageSpace, MessagesSpace
-from envs.types import HELDOUT_SEEDS, Message
+from envs.types import HELDOUT_SEEDS, Message, check_state_owner, state_owner
 
 MIX_ID = "agentrl/Mix-v0"
 STATE_VERSION = 1
@@ -247,7 +247,7 @@ class MixtureEnv(gymnasium.Env[list[Message], Message]):
             raise RuntimeError("get_state() before reset(): there is no episode to save")
         return {
             "version": STATE_VERSION,
-            "env": f"{type(self).__module__}:{type(self).__qualname__}",
+            "env": state_owner(self),
             "mix": self.signature,
             "index": self._index,
             "id": self.labels[self._index],
@@ -256,12 +256,7 @@ class MixtureEnv(gymnasium.Env[list[Message], Message]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue an episode saved by `get_state()` of a mix with the same entries."""
-        expected = f"{type(self).__module__}:{type(self).__qualname__}"
-        if state.get("version") != STATE_VERSION or state.get("env") != expected:
-            raise ValueError(
-                f"state is for {state.get('env')!r} (version {state.get('version')}); "
-                f"this env is {expected!r} (version {STATE_VERSION})"
-            )
+        check_state_owner(state, self, STATE_VERSION)
         index = state.get("index")
         if state.get("mix") != self.signature or index not in range(len(self.envs)):
             raise ValueError(

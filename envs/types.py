@@ -78,3 +78,18 @@ def tool_call(name: str, arguments: dict[str, Any] | str) -> ToolCall:
 
 def tool_result(name: str, content: str) -> Message:
     return {"role": "tool", "name": name, "content": content}
+
+
+def state_owner(env: Any) -> str:
+    """ "module:Class" of an env, as its saved states name it."""
+    return f"{type(env).__module__}:{type(env).__qualname__}"
+
+
+def check_state_owner(state: dict[str, Any], env: Any, version: int) -> None:
+    """Refuse a saved state (ValueError) made by another env class or state version."""
+    expected = state_owner(env)
+    if state.get("version") != version or state.get("env") != expected:
+        raise ValueError(
+            f"state is for {state.get('env')!r} (version {state.get('version')}); "
+            f"this env is {expected!r} (version {version})"
+        )

@@ -356,13 +356,13 @@ def test_content_blocks_become_text():
         )
 
     image = mcp_types.ImageContent(data="AAAA", mime_type="image/png")
-    link = mcp_types.ResourceLink(uri="file:///tmp/a.txt", name="a")
+    link = mcp_types.ResourceLink(uri="memory://notes/a.txt", name="a")
     embedded = mcp_types.EmbeddedResource(
-        resource=mcp_types.TextResourceContents(uri="file:///b.txt", text="bee")
+        resource=mcp_types.TextResourceContents(uri="memory://notes/b.txt", text="bee")
     )
     text = mcp_types.TextContent(text="hello")
     assert result_text(result([text, image, link, embedded])) == (
-        "hello\n[image image/png]\n[resource file:///tmp/a.txt]\n[resource file:///b.txt]\nbee"
+        "hello\n[image image/png]\n[resource memory://notes/a.txt]\n[resource memory://notes/b.txt]\nbee"
     )
     assert result_text(result([], {"x": 1})) == '{"x": 1}'
     assert result_text(result([text], {"x": 1})) == "hello"
