@@ -10,6 +10,9 @@ and does nothing otherwise. The config travels to the actors with the rest of th
                                  is SIGKILLed after G groups, holding saved live episodes
     kill_worker_on_push: "I:V"   worker I (its first incarnation) is SIGKILLed when the push of
                                  version V reaches it
+    poison_saved: true           with kill_worker: the killed worker's saved episodes are
+                                 overwritten with garbage in Redis just before the kill (their
+                                 restore fails: each ends as an env error)
     kill_learner_at: S           the learner is SIGKILLed when step S begins
     disk_full_at: S              the checkpoint of step S fails with ENOSPC halfway through the
                                  learner's tensor file
@@ -23,11 +26,15 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rl.config.sections import FaultsConfig
+
+POISON = b"\xc1 poisoned by testing.faults.poison_saved"
+"""What poison_saved writes: 0xc1 is the one byte msgpack never uses, so decoding fails."""
 
 
 def banner(faults: FaultsConfig) -> str | None:
@@ -81,6 +88,23 @@ def kill_on_push(faults: FaultsConfig | None, index: int, starts: int, version: 
     chosen = faults.kill_worker_on_push if faults is not None else None
     if starts == 1 and chosen == f"{index}:{version}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poison_saved(faults: FaultsConfig | None, client, keys: Iterable[str]) -> int:
+    """When testing.faults.poison_saved is set, overwrite every saved episode in the Redis hashes
+    `keys` (`RunKeys.episodes(group id)`, one per group: the groups of the worker about to be
+    killed, its live snapshots and its finished episodes alike) with POISON, which no decoder
+    reads: the worker that claims a task again ends each such episode as an env error. Returns
+    how many were overwritten (0: the fault is off)."""
+    if faults is None or not faults.poison_saved:
+        return 0
+    count = 0
+    for key in keys:
+        fields = client.hkeys(key)
+        if fields:
+            client.hset(key, mapping=dict.fromkeys(fields, POISON))
+            count += len(fields)
+    return count
 
 
 def kill_learner(faults: FaultsConfig | None, step: int) -> None:

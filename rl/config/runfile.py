@@ -142,6 +142,12 @@ class RunConfig(Section):
                     f"testing.faults.{key}",
                     f"names worker {index}, but rollout.num_workers is {self.rollout.num_workers}",
                 )
+        if faults.poison_saved and not faults.kill_worker:
+            raise ConfigError(
+                "testing.faults.poison_saved",
+                "poisons the saved episodes of the worker that testing.faults.kill_worker kills: "
+                "set kill_worker too",
+            )
         return self
 
     @model_validator(mode="after")

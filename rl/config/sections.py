@@ -380,6 +380,11 @@ class FaultsConfig(Section):
     kill_worker_on_push: Annotated[str | None, BeforeValidator(_pair(r"\d+:\d+", _PUSH))] = None
     """`"I:V"`: SIGKILL rollout worker I (its first incarnation) when the weight push of policy
     version V reaches it. Quote it (YAML reads 1:2 as a number)."""
+    poison_saved: bool = False
+    """With kill_worker: just before the kill, the chosen worker overwrites every saved episode
+    of the groups it holds (in Redis) with bytes no decoder reads (rl/faults.py poison_saved), so
+    the worker that claims those tasks again cannot restore them: each such episode ends as an
+    env error (workers/restore_failures) and its group is still produced."""
     kill_learner_at: Positive | None = None
     """SIGKILL the learner when this step begins (its rollouts are already in the stream)."""
     disk_full_at: Positive | None = None
@@ -388,7 +393,7 @@ class FaultsConfig(Section):
 
     def active(self) -> dict[str, Any]:
         """The faults that are set, by name (empty: fault injection is off)."""
-        return {k: v for k, v in self.model_dump().items() if v not in (None, [])}
+        return {k: v for k, v in self.model_dump().items() if v not in (None, [], False)}
 
 
 class TestingConfig(Section):

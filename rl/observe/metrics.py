@@ -122,6 +122,7 @@ def push_metrics(push: dict) -> dict[str, float]:
         "weights/push_seconds": push["seconds"],
         "weights/push_gb_per_s": push["gb_per_s"],
         "weights/push_mb": push["bytes"] / 2**20,
+        "weights/missed_pushes": float(push.get("missed", 0)),
     }
 
 
@@ -210,9 +211,12 @@ def console_line(step: int, steps: int, m: dict[str, float]) -> str:
         f"(err {g('rollout/tool_error_rate'):.0%}) | len {g('rollout/response_length'):.0f} "
         f"| ent {g('learner/entropy'):.3f} | clip {g('learner/clip_fraction'):.3f} "
         f"| kl {g('learner/approx_kl'):.1e} | gnorm {g('learner/grad_norm'):.2f} "
-        f"| {g('rollout/tokens_per_s'):,.0f} tok/s | lag {g('learner/policy_lag'):.0f} "
-        f"| push {g('weights/push_seconds'):.2f}s"
+        f"| {g('rollout/tokens_per_s'):,.0f} tok/s | lag {g('learner/policy_lag'):.0f}"
     )
+    push = m.get("weights/push_seconds")  # async: the push settled during this step, if any
+    line += " | push -" if push is None else f" | push {push:.2f}s"
+    if "learner/idle_share" in m:
+        line += f" | learner idle {m['learner/idle_share']:.0%}"
     if m.get("learner/dropped_groups"):
         line += f" | dropped {m['learner/dropped_groups']:.0f} flat groups"
     return line

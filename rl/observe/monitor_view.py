@@ -232,6 +232,7 @@ def async_weights(state: MonitorState) -> RenderableType:
         ("learner/staleness_max", "staleness max", ".0f"),
         ("learner/clip_fraction", "clip fraction", ".3f"),
         ("learner/wait_seconds", "learner waits (s)", ".2f"),
+        ("learner/idle_share", "learner idle share", ".0%"),
         ("workers/idle_seconds", "workers idle (s)", ".2f"),
         ("workers/paused_seconds", "workers paused (s)", ".2f"),
         ("weights/push_seconds", "weight push (s)", ".3f"),

@@ -28,7 +28,15 @@ from rl.run.build import build_learner, build_worker
 from rl.run.devices import torch_device, with_devices
 from rl.run.launch import connect, rendezvous
 from rl.run.placement import PlacementError, check_cluster, demands, unplaced
-from rl.run.weights import Manifest, Publisher, Receiver, connect_broadcast
+from rl.run.weights import (
+    Manifest,
+    Publisher,
+    Receiver,
+    WeightBoard,
+    board_name,
+    connect_broadcast,
+    find_board,
+)
 from rollout.keys import RunKeys
 from rollout.worker import Task
 
@@ -61,15 +69,19 @@ class WorkerHost:
         self.stop_event = threading.Event()
         self.rollouts = None
         self.starts = 1  # incarnations of this worker (Ray restarts it after a crash)
+        self.caught_up = 0  # versions fetched from the weight board by this incarnation
         if redis_url is not None:
             self.starts = int(connect(redis_url).incr(RunKeys(run_id).worker_starts(index)))
 
     def _install(self, version: int, weights, expected) -> None:
-        with self.lock:
+        with self.lock:  # a push and a fetch from the board may race: the newer one stays
+            staged = self.staged[0] if self.staged is not None else -1
+            if version <= max(staged, self.worker.policy.version):
+                return
             if self.serving:  # the serve loop installs it between two decode steps
                 self.staged = (version, weights, expected)
                 return
-        self.worker.policy.load_weights(version, weights, expected)
+            self.worker.policy.load_weights(version, weights, expected)
 
     def _install_staged(self) -> None:
         with self.lock:
@@ -81,6 +93,7 @@ class WorkerHost:
         """Async mode: generate until `stop_serving` (rl/run/serving.py builds the loop)."""
         from rl.run.serving import serve_worker
 
+        self.catch_up()
         with self.lock:
             self.serving = True
         self.stop_event.clear()
@@ -99,7 +112,8 @@ class WorkerHost:
         worker reports its restart even before its serve loop is rebuilt."""
         from rollout.worker import summarize
 
-        restarts = {"restarts": float(self.starts - 1)}
+        caught_up, self.caught_up = self.caught_up, 0
+        restarts = {"restarts": float(self.starts - 1), "caught_up": float(caught_up)}
         if self.rollouts is None:
             return restarts
         trajs, counters = self.rollouts.drain()
@@ -136,6 +150,8 @@ class WorkerHost:
 
     def receive_object_store(self, manifest: Manifest, refs: list) -> int:
         faults.kill_on_push(self.cfg.testing.faults, self.index, self.starts, manifest.version)
+        if manifest.version <= self.newest():  # it fetched as new a version by itself
+            return self.newest()
         return self.receiver.receive_object_store(manifest, refs)
 
     def join_broadcast(
@@ -145,7 +161,32 @@ class WorkerHost:
 
     def receive_broadcast(self, manifest: Manifest) -> int:
         faults.kill_on_push(self.cfg.testing.faults, self.index, self.starts, manifest.version)
+        if self.receiver.group is None:  # a restart, not in the group yet: the board has it
+            self.catch_up()
+            return self.newest()
         return self.receiver.receive_broadcast(manifest)
+
+    def catch_up(self) -> int:
+        """Fetch the latest published weights from the run's board (rl/run/weights.py
+        WeightBoard) when they are newer than ours: a started or restarted worker does not wait
+        for the next push. Returns the version now held."""
+        board = find_board(self.run_id)
+        if board is None:
+            if self.cfg.trainer.mode == "async":
+                logger.warning(f"worker-{self.index}: no weight board; waiting for a push")
+            return self.newest()
+        latest = ray.get(board.get.remote())
+        if latest is not None and latest[0].version > self.newest():
+            self.receiver.receive_object_store(*latest)
+            self.caught_up += 1
+            logger.warning(f"worker-{self.index} fetched version {latest[0].version} by itself")
+        return self.newest()
+
+    def newest(self) -> int:
+        """The newest version installed or staged."""
+        with self.lock:
+            staged = self.staged[0] if self.staged is not None else -1
+        return max(staged, self.worker.policy.version)
 
     def version(self) -> int:
         return self.worker.policy.version
@@ -171,6 +212,7 @@ class LearnerHost:
         self.followers: list = []
         self.learner = None
         self.publisher = Publisher(self._export_all, bucket_mb=cfg.weights.bucket_mb)
+        self._board = None  # async mode: rl/run/weights.py WeightBoard (attach_board)
         if world == 1:
             self.setup()
 
@@ -204,6 +246,12 @@ class LearnerHost:
         ray.get(pending)
         return metrics
 
+    def step_with_records(self, limit: int) -> tuple[dict[str, float], dict, list[dict]]:
+        """Async mode: the step's metrics, ledger entry and up to `limit` trajectory records in
+        one answer (no second round trip before the next step)."""
+        metrics = self.step()
+        return metrics, self.ledger(), self.trajectories(limit) if limit else []
+
     def export(self) -> tuple:
         return self.learner.export()
 
@@ -214,10 +262,30 @@ class LearnerHost:
         return result
 
     def publish(self) -> tuple:
-        return self.publisher.publish()
+        manifest, refs = self.publisher.publish()
+        self._post(manifest, refs)
+        return manifest, refs
 
-    def prepare_push(self) -> Manifest:
-        return self.publisher.prepare()
+    def prepare_push(self) -> tuple[Manifest, list]:
+        """Broadcast transport. With a weight board (async mode) the push is also stored in the
+        object store, so that a restarted worker can fetch it before it rejoins the group."""
+        if self.board() is None:
+            return self.publisher.prepare(), []
+        manifest, refs = self.publisher.publish(keep=True)
+        self._post(manifest, refs)
+        return manifest, refs
+
+    def attach_board(self, board) -> None:
+        """The run's weight board (async mode); this handle keeps the actor alive."""
+        self._board = board
+
+    def board(self):
+        return self._board
+
+    def _post(self, manifest: Manifest, refs: list) -> None:
+        board = self.board()
+        if board is not None:
+            ray.get(board.post.remote(manifest, refs))
 
     def open_broadcast(self) -> tuple[str, int]:
         return self.publisher.open_broadcast()
@@ -227,6 +295,9 @@ class LearnerHost:
 
     def broadcast(self) -> None:
         self.publisher.broadcast()
+
+    def sent(self) -> None:
+        self.publisher.sent()
 
     def save_model(self, path: str) -> None:
         """The full (unsharded) policy as a transformers directory."""
@@ -341,6 +412,9 @@ def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
         for i in range(r.num_workers)
     ]
     learner = start_learner(cfg, model_dir, redis_url, run_id)
+    if cfg.trainer.mode == "async":  # restarted workers fetch the latest weights from it
+        board = ray.remote(num_cpus=0)(WeightBoard).options(name=board_name(run_id)).remote()
+        ray.get(learner.attach_board.remote(board))  # its handle keeps the board alive
     places = ray.get([w.node.remote() for w in workers])  # surfaces constructor errors now
     logger.info(f"rollout workers on {where(places)}")
     if cfg.weights.transport == "broadcast":

@@ -10,8 +10,10 @@ the slowest episode.
     learner.step(): the next B groups as
       they arrive (ids already trained are
       skipped), ppo_epochs x mini-batches
-    push weights (staged by the workers);
-      publish the learner version
+    settle push k-1 (it travelled while
+      step k trained); start push k
+      (staged by the workers); publish
+      the learner version
     metrics, ledger line, checkpoint (then
       trim the consumed stream entries and
       the finished books: rollout/books.py)
@@ -36,6 +38,7 @@ from rl.learner.group_ids import GroupIds
 from rl.observe.evaluate import EVAL_SEED_OFFSET
 from rl.observe.metrics import rollout_metrics
 from rl.run.build import sampling
+from rl.run.fleet import Fleet
 from rl.run.step import StepTail
 from rollout.books import trim_books
 from rollout.keys import RunKeys
@@ -87,27 +90,45 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
     bar = tqdm(total=t.steps, initial=state.step, desc=f"{t.algorithm.upper()} async", unit="step")
     tail = StepTail(cfg, run_dir, learner, workers, renderer, log, state, bar)
     tail.on_checkpoint = lambda path: trim_at_checkpoint(client, keys, path)
-    late: list = []  # workers' counters that did not answer in time: read at the next step
+    fleet = Fleet(learner, workers, client, keys, cfg.weights)
+    late: list = []  # workers' counters asked for and not answered yet: read at a later step
+    last = time.perf_counter()
     try:
         for step in range(state.step + 1, t.steps + 1):
-            start = time.perf_counter()
             _check_serving(serving)
             feeder.top_up(version=step - 1)
-            metrics = _learner_step(learner, serving)
-            metrics.update(tail.record(step))
+            metrics, entry, records = _learner_step(learner, serving, cfg.metrics.trajectories)
+            asked = [*late, *((i, w.drain.remote()) for i, w in enumerate(workers))]
+            tail.write_records(step, entry, records)
+            metrics.update(fleet.settle())  # push step-1 travelled while this step trained
+            publish = time.perf_counter()
+            metrics.update(fleet.start())
+            publish = time.perf_counter() - publish
             client.set(keys.learner_version, step)
             feeder.top_up(version=step)
-            seconds = time.perf_counter() - start
-            metrics.update(_worker_metrics(workers, seconds, late))
+            now = time.perf_counter()
+            seconds, last = now - last, now
+            metrics.update(_worker_metrics(len(workers), asked, seconds, late))
+            metrics.update(idle_share(metrics, seconds, publish))
             metrics["step/seconds"] = seconds
             metrics["tasks/issued"] = float(feeder.issued())
             metrics["tasks/backlog"] = float(feeder.queue.backlog())
             tail.finish(step, metrics)
+        fleet.settle()  # the last version reaches every worker before the run ends
     finally:
         bar.close()
         for w in workers:
             w.stop_serving.remote()
         ray.wait(serving, num_returns=len(serving), timeout=60)
+
+
+def idle_share(metrics: dict, seconds: float, publish: float) -> dict[str, float]:
+    """The share of the step's wall time in which the learner computed nothing: waiting for
+    groups, or for the driver (a push it starts is the learner's work: it exports)."""
+    if "learner/seconds" not in metrics or seconds <= 0:
+        return {}
+    busy = metrics["learner/seconds"] - metrics.get("learner/wait_seconds", 0.0) + publish
+    return {"learner/busy_seconds": busy, "learner/idle_share": max(0.0, 1.0 - busy / seconds)}
 
 
 def trim_at_checkpoint(client, keys: RunKeys, checkpoint: Path) -> dict[str, int]:
@@ -129,10 +150,11 @@ def _check_serving(serving: list) -> None:
         raise RuntimeError("a rollout worker stopped serving before the run ended")
 
 
-def _learner_step(learner, serving: list) -> dict:
-    """learner.step(), watching the workers meanwhile: a serve loop that dies with an error
-    (not a crash Ray restarts) fails the run now instead of the learner timing out later."""
-    ref = learner.step.remote()
+def _learner_step(learner, serving: list, limit: int) -> tuple[dict, dict, list]:
+    """learner.step() with its ledger entry and trajectory records, watching the workers
+    meanwhile: a serve loop that dies with an error (not a crash Ray restarts) fails the run now
+    instead of the learner timing out later."""
+    ref = learner.step_with_records.remote(limit)
     while True:
         ready, _ = ray.wait([ref, *serving], num_returns=1)
         if ref in ready:
@@ -140,32 +162,43 @@ def _learner_step(learner, serving: list) -> dict:
         _check_serving(serving)
 
 
-def _worker_metrics(workers, seconds: float, late: list) -> dict[str, float]:
-    """The workers' counters since the last step. A worker that does not answer within 10 s
-    (busy, or restarting) is read at a later step: its drained counters are never dropped.
-    `late` holds (worker index, reference) pairs."""
-    pairs = [*late, *((i, w.drain.remote()) for i, w in enumerate(workers))]
-    ready, _ = ray.wait([ref for _, ref in pairs], num_returns=len(pairs), timeout=10)
+COUNTERS = {
+    "workers/idle_seconds": "idle_seconds",
+    "workers/paused_seconds": "paused_seconds",
+    "workers/restored_episodes": "restored_episodes",
+    "workers/restore_failures": "restore_failures",
+    "workers/refused_groups": "refused_groups",
+    "workers/restarted": "restarts",
+    "workers/caught_up": "caught_up",
+    "workers/sampled_tokens": "sampled_tokens",
+}
+"""Metric -> the key summed over the workers' drained counters."""
+
+
+DRAIN_WAIT_S = 2.0
+"""How long the driver waits for the workers' counters (asked for as the learner's step ended,
+answered while the push starts): a busy or restarting worker is read at a later step."""
+
+
+def _worker_metrics(count: int, asked: list, seconds: float, late: list) -> dict[str, float]:
+    """The workers' counters since the last step (`asked`: (worker index, reference) pairs).
+    A worker that has not answered within DRAIN_WAIT_S (busy, or restarting) is read at a later
+    step, so its drained counters are never dropped. `late` is refilled with the pairs still
+    unanswered."""
+    refs = [ref for _, ref in asked]
+    ready, _ = ray.wait(refs, num_returns=len(asked), timeout=DRAIN_WAIT_S)
     ready = set(ready)
-    late[:] = [(i, ref) for i, ref in pairs if ref not in ready]
-    answers = [(i, _answer(ref)) for i, ref in pairs if ref in ready]
+    late[:] = [(i, ref) for i, ref in asked if ref not in ready]
+    answers = [(i, _answer(ref)) for i, ref in asked if ref in ready]
     stats = [s for _, s in answers if s is not None]
     missing = {i for i, _ in late} | {i for i, s in answers if s is None}
     tokens = {
         i: None if i in missing else sum(s.get("sampled_tokens", 0.0) for j, s in answers if j == i)
-        for i in range(len(workers))
+        for i in range(count)
     }
-    out = {
-        "workers/idle_seconds": sum(s.get("idle_seconds", 0.0) for s in stats),
-        "workers/paused_seconds": sum(s.get("paused_seconds", 0.0) for s in stats),
-        "workers/restored_episodes": sum(s.get("restored_episodes", 0.0) for s in stats),
-        "workers/restore_failures": sum(s.get("restore_failures", 0.0) for s in stats),
-        "workers/refused_groups": sum(s.get("refused_groups", 0.0) for s in stats),
-        "workers/restarted": sum(s.get("restarts", 0.0) for s in stats),
-        "workers/answering": float(len(stats)),
-        "workers/sampled_tokens": sum(s.get("sampled_tokens", 0.0) for s in stats),
-        **token_share_min(tokens),
-    }
+    out = {name: sum(s.get(key, 0.0) for s in stats) for name, key in COUNTERS.items()}
+    out["workers/answering"] = float(len(stats))
+    out.update(token_share_min(tokens))
     episodes = [{**s, "seconds": seconds} for s in stats if s.get("episodes")]
     if episodes:
         out.update(rollout_metrics(episodes))

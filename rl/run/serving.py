@@ -75,6 +75,8 @@ def _killer(host, groups: int, client, chosen: str | None):
         r = host.rollouts
         if state["armed"] and r.produced_groups >= groups and r.save_live():
             if chosen is None or client.set(chosen, host.index, nx=True):
+                held = [RunKeys(host.run_id).episodes(g) for g in r.groups]
+                faults.poison_saved(host.cfg.testing.faults, client, held)
                 os.kill(os.getpid(), signal.SIGKILL)
             state["armed"] = False  # another worker was chosen
         return host.stop_event.is_set()

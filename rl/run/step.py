@@ -53,15 +53,21 @@ class StepTail:
 
     def record(self, step: int) -> dict[str, float]:
         """Ledger and trajectory records of the step, then the weight push -> push metrics."""
-        ledger.append(self.run_dir, step, ray.get(self.learner.ledger.remote()))
+        recs = []
         if self.cfg.metrics.trajectories:
             recs = ray.get(self.learner.trajectories.remote(self.cfg.metrics.trajectories))
-            trajlog.append(self.run_dir, step, recs)
+        self.write_records(step, ray.get(self.learner.ledger.remote()), recs)
         w = self.cfg.weights
         push = push_weights(
             self.learner, self.workers, timeout_s=w.push_timeout_s, transport=w.transport
         )
         return push_metrics(push)
+
+    def write_records(self, step: int, entry: dict, records: list[dict]) -> None:
+        """The step's ledger line and trajectory records (async mode gets them with the step)."""
+        ledger.append(self.run_dir, step, entry)
+        if self.cfg.metrics.trajectories:
+            trajlog.append(self.run_dir, step, records)
 
     def finish(
         self, step: int, metrics: dict, *, checkpoint: bool = False, stage: int | None = None

@@ -25,7 +25,7 @@ import datetime
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import ray
@@ -239,18 +239,23 @@ def receive_buckets(group, manifest: Manifest) -> tuple[dict[str, np.ndarray], d
 
 # --- the two ends, as plain classes the actors delegate to ----------------------------------
 class Publisher:
-    """Learner side. `export()` returns (version, {name: array}, checksum)."""
+    """Learner side. `export()` returns (version, {name: array}, checksum). A broadcast is sent
+    on a thread (`broadcast` returns at once, `sent` waits for it), so the learner's next step
+    trains while its last weights travel: the exported arrays are copies, the second buffer."""
 
     def __init__(self, export, *, bucket_mb: float):
         self.export, self.bucket_mb = export, bucket_mb
         self.group = None
         self.pending: tuple[Manifest, dict] | None = None
         self.hasher = ThreadPoolExecutor(1, thread_name_prefix="weight-hash")
+        self.sender = ThreadPoolExecutor(1, thread_name_prefix="weight-send")
+        self.sending = None
 
-    def publish(self) -> tuple[Manifest, list]:
+    def publish(self, *, keep: bool = False) -> tuple[Manifest, list]:
         """Object-store transport: one object per bucket (the returned refs keep them alive).
         Storing the buckets and hashing the tensors overlap (both release the GIL): each byte
-        is read once for the checksum and once into the object store."""
+        is read once for the checksum and once into the object store. `keep`: also hold the
+        arrays for the next `broadcast`."""
         version, weights, total = self.export()
         hashing = None
         if getattr(total, "digests", None) is None:
@@ -261,6 +266,8 @@ class Publisher:
         manifest = make_manifest(version, weights, self.bucket_mb, digests)
         if total is not None and int(total) != int(digests):
             manifest = replace(manifest, checksum=int(total))  # the export's word is final
+        if keep:
+            self.pending = (manifest, weights)
         return manifest, refs
 
     def prepare(self) -> Manifest:
@@ -273,12 +280,58 @@ class Publisher:
         return rendezvous()
 
     def join(self, address: str, port: int, world: int, timeout_s: float) -> None:
+        """A new group (the first, or after a worker restarted); a send still stuck on the old
+        group is left to end there."""
+        if self.sending is not None and not self.sending.done():  # stuck on the old group:
+            self.sender.shutdown(wait=False)  # it ends at that group's timeout, on its own
+            self.sender = ThreadPoolExecutor(1, thread_name_prefix="weight-send")
+        elif self.sending is not None and self.sending.exception() is not None:
+            error = self.sending.exception()
+            logger.warning(f"the last broadcast before a new group failed: {error!r}")
+        self.sending = None
         self.group = open_group(address, port, 0, world, timeout_s)
 
     def broadcast(self) -> None:
+        """Start sending the prepared push on the sender thread and return."""
+        self.sent()
         manifest, weights = self.pending
         self.pending = None
-        send_buckets(self.group, manifest, weights)
+        self.sending = self.sender.submit(send_buckets, self.group, manifest, weights)
+
+    def sent(self) -> None:
+        """Wait for the last broadcast to leave; raise its error, if any."""
+        sending, self.sending = self.sending, None
+        if sending is not None:
+            sending.result()
+
+
+class WeightBoard:
+    """The latest published weights (a manifest and its object-store refs), as a tiny named
+    actor (`<run id>-weights`, async mode): the learner posts every publication, and a worker
+    that starts or restarts fetches the latest itself instead of waiting for the next push.
+    Holding the refs keeps that one version's objects alive; an older post never wins."""
+
+    def __init__(self) -> None:
+        self.latest: tuple[Manifest, list] | None = None
+
+    def post(self, manifest: Manifest, refs: list) -> None:
+        if self.latest is None or manifest.version > self.latest[0].version:
+            self.latest = (manifest, refs)
+
+    def get(self) -> tuple[Manifest, list] | None:
+        return self.latest
+
+
+def board_name(run_id: str) -> str:
+    return f"{run_id}-weights"
+
+
+def find_board(run_id: str):
+    """The run's WeightBoard actor, or None (sync mode has none)."""
+    try:
+        return ray.get_actor(board_name(run_id))
+    except ValueError:
+        return None
 
 
 class Receiver:
@@ -333,52 +386,100 @@ def connect_broadcast(learner, workers, *, timeout_s: float) -> None:
 
 
 # --- driver side ----------------------------------------------------------------------------
-def push_weights(learner, workers, *, timeout_s: float, transport: str = "object_store") -> dict:
-    """Publish the learner's weights to every worker; returns version, seconds, bytes, GB/s."""
+@dataclass
+class PushInFlight:
+    """A push the driver started and has not settled: the workers' acknowledgements to come."""
+
+    manifest: Manifest
+    transport: str
+    learner: object
+    pending: dict
+    """worker call ref -> worker index"""
+    workers: int
+    started: float
+    timeout_s: float
+    refs: list = field(default_factory=list)
+    """The object-store buckets (kept alive until the push is settled)."""
+
+
+def begin_push(learner, workers, *, timeout_s: float, transport: str) -> PushInFlight:
+    """Export the learner's weights now (the learner does it before any later call, so its next
+    step may start at once) and send them to every worker; `finish_push` waits for them."""
     start = time.perf_counter()
     if transport == "broadcast":
-        manifest = ray.get(learner.prepare_push.remote(), timeout=timeout_s)
-        sender = learner.broadcast.remote()
+        manifest, refs = ray.get(learner.prepare_push.remote(), timeout=timeout_s)
+        learner.broadcast.remote()  # the learner sends on a thread; `sent` reports its end
         pending = {w.receive_broadcast.remote(manifest): i for i, w in enumerate(workers)}
     else:
         manifest, refs = ray.get(learner.publish.remote(), timeout=timeout_s)
-        sender = None
         pending = {w.receive_object_store.remote(manifest, refs): i for i, w in enumerate(workers)}
-    ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
-    versions, rejected = [], []
+    return PushInFlight(manifest, transport, learner, pending, len(workers), start, timeout_s, refs)
+
+
+def finish_push(push: PushInFlight, *, forgiven=lambda: set()) -> dict:
+    """Wait for every worker to install the push (the deadline counts from its start); returns
+    version, seconds, bytes, GB/s, missed. `forgiven()`: workers that restarted meanwhile, whose
+    failure is not an error (a restarted worker fetches the latest weights itself)."""
+    pending, version = push.pending, push.manifest.version
+    ready, not_ready = _wait(push, forgiven)
+    versions, failed = [], {}
     for ref in sorted(ready, key=pending.get):  # in worker order
         try:
             versions.append(ray.get(ref))
         except ray.exceptions.RayError as err:  # a rejected push, or a dead worker
             cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
-            rejected.append(f"worker-{pending[ref]} ({cause!r})")
-    if not_ready:
-        names = ", ".join(f"worker-{pending[ref]}" for ref in not_ready)
-        for ref in not_ready:
-            ray.cancel(ref, force=False)
+            failed[pending[ref]] = f"worker-{pending[ref]} ({cause!r})"
+    late = {pending[ref] for ref in not_ready}
+    missed = (set(failed) | late) & forgiven() if failed or late else set()
+    for ref in not_ready:
+        ray.cancel(ref, force=False)
+    late -= missed
+    rejected = [why for i, why in sorted(failed.items()) if i not in missed]
+    if late:
+        names = ", ".join(f"worker-{i}" for i in sorted(late))
         also = f"failed on {'; '.join(rejected)}; " if rejected else ""
         raise WeightPushTimeout(
-            f"weight push of version {manifest.version} {also}not acknowledged within "
-            f"{timeout_s:.0f} s by: {names}"
+            f"weight push of version {version} {also}not acknowledged within "
+            f"{push.timeout_s:.0f} s by: {names}"
         )
     if rejected:
-        raise WeightPushRejected(
-            f"weight push of version {manifest.version} failed on {'; '.join(rejected)}"
-        )
-    if sender is not None:
-        ray.get(sender)
-    if set(versions) != {manifest.version}:
-        raise RuntimeError(f"workers report versions {versions} after pushing {manifest.version}")
-    seconds = time.perf_counter() - start
-    delivered = manifest.nbytes * len(workers)
+        why = "; ".join(rejected)
+        raise WeightPushRejected(f"weight push of version {version} failed on {why}")
+    if push.transport == "broadcast" and not missed:  # else the group is formed again
+        ray.get(push.learner.sent.remote())  # the learner's send thread ended well
+    if any(v < version for v in versions):  # a newer version (fetched by itself) is fine
+        raise RuntimeError(f"workers report versions {versions} after pushing {version}")
+    seconds = time.perf_counter() - push.started
+    delivered = push.manifest.nbytes * (push.workers - len(missed))
     logger.debug(
-        f"pushed version {manifest.version} ({manifest.nbytes / 2**20:.1f} MiB, "
-        f"{len(manifest.buckets)} buckets, {transport}) to {len(workers)} workers "
-        f"in {seconds:.3f} s"
+        f"pushed version {version} ({push.manifest.nbytes / 2**20:.1f} MiB, "
+        f"{len(push.manifest.buckets)} buckets, {push.transport}) to {push.workers} workers "
+        f"in {seconds:.3f} s" + (f"; missed by restarted {sorted(missed)}" if missed else "")
     )
     return {
-        "version": manifest.version,
+        "version": version,
         "seconds": seconds,
-        "bytes": manifest.nbytes,
+        "bytes": push.manifest.nbytes,
         "gb_per_s": delivered / seconds / 1e9,
+        "missed": len(missed),
     }
+
+
+def _wait(push: PushInFlight, forgiven) -> tuple[list, list]:
+    """The workers' answers until all came or the deadline passed; with the broadcast
+    transport also until a worker restarted (its group's collective cannot end well, and the
+    members still in it would only time out)."""
+    refs, deadline = list(push.pending), push.started + push.timeout_s
+    while True:
+        left = max(0.0, deadline - time.perf_counter())
+        slice_s = left if push.transport != "broadcast" else min(left, 1.0)
+        ready, not_ready = ray.wait(refs, num_returns=len(refs), timeout=slice_s)
+        if not not_ready or left <= slice_s or forgiven():
+            return ready, not_ready
+
+
+def push_weights(learner, workers, *, timeout_s: float, transport: str = "object_store") -> dict:
+    """Publish the learner's weights to every worker and wait for them all (sync mode, resume);
+    returns version, seconds, bytes, GB/s."""
+    push = begin_push(learner, workers, timeout_s=timeout_s, transport=transport)
+    return finish_push(push)

@@ -91,3 +91,55 @@ def process_named(root: int, name: str) -> int | None:
         except OSError:
             continue
     return None
+
+
+def last_step(out: Path) -> int:
+    """The last train step in metrics.jsonl of the run under `out` so far (0: none yet); a line
+    still being written is skipped."""
+    runs = list(out.glob("e2e-*"))
+    path = runs[0] / "metrics.jsonl" if runs else None
+    if path is None or not path.exists():
+        return 0
+    steps = [0]
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("phase") == "train":
+            steps.append(int(record["step"]))
+    return max(steps)
+
+
+def actor_pids(root: int, actor: str) -> list[int]:
+    """The live processes below `root` that host a Ray actor of class `actor` (e.g.
+    "WorkerHost"), sorted. Ray titles an actor's process "ray::<class>" once the actor is built
+    and "ray::<class>.<method>" while a method runs: setproctitle writes the title over the
+    process's argv, which /proc/<pid>/cmdline shows (/proc/<pid>/comm, when Ray also sets it,
+    holds the first 15 characters: read only where argv was not rewritten). A process the
+    actor forked without exec inherits its title: only the topmost one counts."""
+    title = f"ray::{actor}"
+    found: dict[int, int] = {}  # pid -> parent pid
+    for pid in descendants(root):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split()
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        name = argv[0].decode(errors="replace") if argv else ""
+        named = name == title or name.startswith(f"{title}.")
+        if not name.startswith("ray::"):
+            named = comm == title
+        if named and stat[0] != "Z":
+            found[pid] = int(stat[1])
+    return sorted(pid for pid, parent in found.items() if parent not in found)
+
+
+def command_line(pid: int) -> str:
+    """/proc/<pid>/cmdline as text ("" once the process is gone), for failure messages."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()

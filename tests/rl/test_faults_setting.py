@@ -77,6 +77,7 @@ def test_faults_load_under_pytest():
             "testing.faults.reward_raises=3",
             "testing.faults.kill_worker=any:0",
             "testing.faults.kill_worker_on_push='1:2'",
+            "testing.faults.poison_saved=true",
             "testing.faults.kill_learner_at=5",
             "testing.faults.disk_full_at=6",
         ],
@@ -84,6 +85,7 @@ def test_faults_load_under_pytest():
     f = cfg.testing.faults
     assert f.nan_loss == [2, 5, 6, 7] and f.reward_raises == 3 and f.kill_worker == "any:0"
     assert (f.kill_worker_on_push, f.kill_learner_at, f.disk_full_at) == ("1:2", 5, 6)
+    assert f.poison_saved is True and f.active()["poison_saved"] is True
     assert load_config(CONFIG).testing.faults.active() == {}  # the default: no fault
 
 
@@ -97,6 +99,8 @@ def test_faults_load_under_pytest():
         ("testing.faults.kill_worker_on_push=any:2", "<version>"),
         ("testing.faults.kill_worker_on_push=1:2", "quoted"),
         ("testing.faults.kill_worker_on_push='5:2'", "rollout.num_workers"),
+        ("testing.faults.poison_saved=true", "kill_worker"),  # it acts only on the kill
+        ("testing.faults.poison_saved=1", "true or false"),
         ("testing.faults.reward_raises=0", "> 0"),
         ("testing.faults.nan_loss=2", "list"),
         ("testing.faults.kill_everything=1", "unknown key"),
@@ -114,7 +118,7 @@ def test_the_banner_lists_the_faults():
     text = faults.banner(FaultsConfig(nan_loss=[2, 5], kill_learner_at=4))
     assert "FAULT INJECTION IS ON" in text and "testing.faults" in text
     assert "nan_loss=[2, 5]" in text and "kill_learner_at=4" in text
-    assert "disk_full_at" not in text
+    assert "disk_full_at" not in text and "poison_saved" not in text  # off: not listed
 
 
 def test_the_run_directory_config_leaves_the_faults_out(tmp_path):
@@ -165,6 +169,41 @@ def test_each_fault_fires_only_where_it_is_set(tmp_path):
     with pytest.raises(OSError) as info:
         faults.disk_full(f, tmp_path, step=6, rank=0)
     assert info.value.errno == errno.ENOSPC and shard.stat().st_size == 50
+
+
+def test_poison_saved_overwrites_the_saved_episodes_it_is_given(redis_server):
+    """testing.faults.poison_saved: every saved episode in the hashes it is given (the groups of
+    the worker about to be killed: live snapshots and finished episodes alike) becomes bytes the
+    decoder refuses, which a worker restoring them ends as an env error (rollout/serve.py).
+    Other groups keep theirs, nothing is created for a group with nothing saved, and without the
+    fault nothing changes."""
+    from rollout.codec import CodecError, decode_episode, encode_episode
+    from rollout.keys import RunKeys
+    from rollout.tasks import TaskQueue
+    from rollout.types import Trajectory
+
+    client = redis_server.client()
+    keys = RunKeys("e2e-poison")
+    queue = TaskQueue(client, keys)
+    live = encode_episode(Trajectory(task_id="calc#1", traj_id="t1/0"), {"turn_ids": [1, 2]})
+    final = encode_episode(Trajectory(task_id="calc#1", traj_id="t1/1"), {"final": 1})
+    queue.save_episodes("t1", {0: live, 1: final})
+    queue.save_episodes("t2", {0: live})
+    held = [keys.episodes("t1"), keys.episodes("t3")]  # t3: claimed, nothing saved yet
+
+    assert faults.poison_saved(None, client, held) == 0
+    assert faults.poison_saved(FaultsConfig(kill_worker="any:0"), client, held) == 0
+    assert queue.saved_episodes("t1") == {0: live, 1: final}
+
+    poison = FaultsConfig(kill_worker="any:0", poison_saved=True)
+    assert faults.poison_saved(poison, client, held) == 2
+    poisoned = queue.saved_episodes("t1")
+    assert sorted(poisoned) == [0, 1]
+    for data in poisoned.values():
+        with pytest.raises(CodecError):
+            decode_episode(data)
+    assert queue.saved_episodes("t2") == {0: live}  # not a held group
+    assert not client.exists(keys.episodes("t3"))
 
 
 def test_no_product_module_reads_a_fault_variable():

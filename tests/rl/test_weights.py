@@ -24,9 +24,12 @@ from rl.run.weights import (
     PIECE_BYTES,
     Publisher,
     Receiver,
+    WeightBoard,
     WeightPushRejected,
     WeightPushTimeout,
+    begin_push,
     connect_broadcast,
+    finish_push,
     join_bytes,
     make_manifest,
     pack_bucket,
@@ -77,7 +80,7 @@ class LearnerStub:
         return self.publisher.publish()
 
     def prepare_push(self):
-        return self.publisher.prepare()
+        return self.publisher.prepare(), []
 
     def open_broadcast(self):
         return self.publisher.open_broadcast()
@@ -87,6 +90,9 @@ class LearnerStub:
 
     def broadcast(self):
         self.publisher.broadcast()
+
+    def sent(self):
+        self.publisher.sent()
 
     def expected(self):
         return checksum(export_weights(self.model))
@@ -113,6 +119,7 @@ class WorkerStub:
         self.receiver.join(address, port, rank, world, timeout_s)
 
     def receive_broadcast(self, manifest):
+        time.sleep(self.delay)
         return self.receiver.receive_broadcast(manifest)
 
     def fingerprint(self):
@@ -168,6 +175,48 @@ def test_a_stuck_worker_times_out_by_name(local_ray):
     with pytest.raises(WeightPushTimeout, match=r"by: worker-1$"):
         push_weights(learner, workers, timeout_s=3)
     assert time.monotonic() - start < 15
+
+
+@pytest.mark.parametrize("transport", ["object_store", "broadcast"])
+def test_a_push_travels_while_the_driver_goes_on(local_ray, transport):
+    """`begin_push` returns once the learner has exported (async mode starts the next step
+    then), not when the workers have installed: with a worker that takes 3 s to take the push,
+    beginning takes well under that, and `finish_push` settles it with every worker at the
+    version. The learner's broadcast is sent on a thread: its actor answers at once."""
+    learner = ray.remote(LearnerStub).remote()
+    workers = [ray.remote(WorkerStub).remote(), ray.remote(WorkerStub).remote(delay=3)]
+    if transport == "broadcast":
+        connect_broadcast(learner, workers, timeout_s=30)
+    ray.get([w.fingerprint.remote() for w in workers])
+    start = time.monotonic()
+    push = begin_push(learner, workers, timeout_s=60, transport=transport)
+    began = time.monotonic() - start
+    ray.get(learner.expected.remote(), timeout=2)  # the learner is free while the push travels
+    assert began < 2.0, began
+    result = finish_push(push)
+    assert time.monotonic() - start >= 3.0 and result["version"] == 7 and result["missed"] == 0
+    expected = ray.get(learner.expected.remote())
+    assert ray.get([w.fingerprint.remote() for w in workers]) == [(7, expected)] * 2
+
+
+def test_a_push_missed_by_a_restarted_worker_is_forgiven_and_others_are_not(local_ray):
+    """`forgiven` names the workers that restarted meanwhile (they fetch the latest weights
+    themselves): their failure is counted as missed; anyone else's is still an error."""
+    learner, workers = actors(n=2, corrupt="bucket")
+    push = begin_push(learner, workers, timeout_s=60, transport="object_store")
+    assert finish_push(push, forgiven=lambda: {0, 1})["missed"] == 2
+    push = begin_push(learner, workers, timeout_s=60, transport="object_store")
+    with pytest.raises(WeightPushRejected, match=r"failed on worker-1 "):
+        finish_push(push, forgiven=lambda: {0})
+
+
+def test_the_weight_board_keeps_the_newest_post_only():
+    board = WeightBoard()
+    assert board.get() is None
+    manifest = make_manifest(3, {"w": np.zeros(4, dtype=np.float32)}, bucket_mb=1)
+    board.post(manifest, ["refs-3"])
+    board.post(make_manifest(2, {"w": np.ones(4, dtype=np.float32)}, bucket_mb=1), ["refs-2"])
+    assert board.get() == (manifest, ["refs-3"])  # a late, older post never wins
 
 
 def test_checksums_are_per_tensor_digests_combined_and_taken_once(tiny_model, monkeypatch):

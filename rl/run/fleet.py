@@ -1,0 +1,71 @@
+"""The driver's side of async weight pushes (rl/run/async_loop.py): one push in flight at a time,
+travelling while the learner's next step trains, settled once that step is done.
+
+    step k trains ---------------> step k+1 trains --------------> ...
+                  publish k (export: the learner's own time)
+                  push k travels to the workers --> settled after step k+1
+
+A worker that restarted meanwhile is forgiven a push it missed: it fetches the latest version
+from the run's weight board itself (rl/run/weights.py WeightBoard, rl/run/actors.py
+`catch_up`). With the broadcast transport a restart also breaks the gloo group: a push that
+was in flight then fails for every member, and the group is formed again before the next push.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rl.observe.metrics import push_metrics
+from rl.run.weights import PushInFlight, begin_push, connect_broadcast, finish_push
+from rollout.keys import RunKeys
+
+logger = logging.getLogger(__name__)
+
+
+class Fleet:
+    """Starts and settles the async pushes; `starts` reads each worker's incarnation count (the
+    Redis counter every WorkerHost increments when it is built)."""
+
+    def __init__(self, learner, workers, client, keys: RunKeys, weights_cfg) -> None:
+        self.learner, self.workers, self.client, self.keys = learner, workers, client, keys
+        self.timeout_s, self.transport = weights_cfg.push_timeout_s, weights_cfg.transport
+        self.flight: PushInFlight | None = None
+        self.flight_starts = self.group_starts = self.starts()
+
+    def starts(self) -> list[int]:
+        names = [self.keys.worker_starts(i) for i in range(len(self.workers))]
+        return [int(v or 0) for v in self.client.mget(names)]
+
+    def _forgiven(self) -> set[int]:
+        now = self.starts()
+        pairs = enumerate(zip(self.flight_starts, now, strict=True))
+        restarted = {i for i, (a, b) in pairs if a != b}
+        if restarted and self.transport == "broadcast":  # the whole group's collective failed
+            return set(range(len(self.workers)))
+        return restarted
+
+    def settle(self) -> dict[str, float]:
+        """Wait for the push in flight (if any): its metrics, tagged with its version."""
+        if self.flight is None:
+            return {}
+        flight, self.flight = self.flight, None
+        push = finish_push(flight, forgiven=self._forgiven)
+        if push["missed"]:
+            missed = push["missed"]
+            logger.warning(f"push of version {push['version']} missed by {missed} worker(s)")
+        return {**push_metrics(push), "weights/version": float(push["version"])}
+
+    def start(self) -> dict[str, float]:
+        """Publish the learner's weights and send them (the previous push must be settled);
+        re-forms the broadcast group first when a worker restarted since it was formed."""
+        out = {}
+        now = self.starts()
+        if self.transport == "broadcast" and now != self.group_starts:
+            connect_broadcast(self.learner, self.workers, timeout_s=self.timeout_s)
+            self.group_starts, out["weights/regrouped"] = now, 1.0
+            logger.info("broadcast group formed again after a worker restart")
+        self.flight_starts = now
+        self.flight = begin_push(
+            self.learner, self.workers, timeout_s=self.timeout_s, transport=self.transport
+        )
+        return out
