@@ -221,7 +221,16 @@ def summarize(rows: list[dict], window: int, batch: int) -> dict:
         "learner_seconds": sum(r.get("learner/seconds", 0.0) for r in rows),
         "learner_wait": sum(r.get("learner/wait_seconds", 0.0) for r in rows),
         "idle": sum(r.get("workers/idle_seconds", 0.0) for r in rows),
+        "learner_idle_share": 1.0 - sum(_busy(r) for r in rows) / wall,
     }
+
+
+def _busy(r: dict) -> float:
+    """The learner's compute in one step: its step less the wait for groups (async records
+    also count the export of the push it starts, `learner/busy_seconds`)."""
+    if "learner/busy_seconds" in r:
+        return r["learner/busy_seconds"]
+    return r.get("learner/seconds", 0.0) - r.get("learner/wait_seconds", 0.0)
 
 
 def time_to(summary: dict, threshold: float) -> tuple[float, int] | None:
@@ -283,7 +292,8 @@ def report(workload: str, runs: list[dict], args) -> dict:
             f"  {r['mode']}/s{r['seed']}: RL wall {s['wall']:.0f} s; learner.step "
             f"{s['learner_seconds']:.0f} s (of it waiting for groups {s['learner_wait']:.0f} s); "
             f"weight pushes {s['push']:.1f} s; workers idle {s['idle']:.0f} s and paused "
-            f"{s['paused']:.0f} s (async, summed over workers)"
+            f"{s['paused']:.0f} s (async, summed over workers); learner idle "
+            f"{s.get('learner_idle_share', float('nan')):.0%} of the wall time"
         )
     print(f"\nwall time to rolling success thresholds ({workload}):")
     for t in GRID:

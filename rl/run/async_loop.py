@@ -168,11 +168,11 @@ COUNTERS = {
     "workers/restored_episodes": "restored_episodes",
     "workers/restore_failures": "restore_failures",
     "workers/refused_groups": "refused_groups",
-    "workers/restarted": "restarts",
     "workers/caught_up": "caught_up",
     "workers/sampled_tokens": "sampled_tokens",
 }
-"""Metric -> the key summed over the workers' drained counters."""
+"""Metric -> the key summed over the workers' drained counters (`workers/restarted`, a gauge
+of each worker's restarts so far, is summed over workers, once each)."""
 
 
 DRAIN_WAIT_S = 2.0
@@ -197,6 +197,11 @@ def _worker_metrics(count: int, asked: list, seconds: float, late: list) -> dict
         for i in range(count)
     }
     out = {name: sum(s.get(key, 0.0) for s in stats) for name, key in COUNTERS.items()}
+    restarts: dict[int, float] = {}  # a gauge per worker: a late and a fresh answer count once
+    for i, s in answers:
+        if s is not None:
+            restarts[i] = max(restarts.get(i, 0.0), s.get("restarts", 0.0))
+    out["workers/restarted"] = sum(restarts.values())
     out["workers/answering"] = float(len(stats))
     out.update(token_share_min(tokens))
     episodes = [{**s, "seconds": seconds} for s in stats if s.get("episodes")]
