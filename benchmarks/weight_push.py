@@ -65,7 +65,7 @@ class Learner:
         return self.publisher.publish()
 
     def prepare_push(self):
-        return self.publisher.prepare()
+        return self.publisher.prepare(), []
 
     def open_broadcast(self):
         return self.publisher.open_broadcast()
@@ -75,6 +75,9 @@ class Learner:
 
     def broadcast(self):
         self.publisher.broadcast()
+
+    def sent(self):
+        self.publisher.sent()
 
 
 class StateDict:

@@ -26,17 +26,10 @@ from rl.learner.distributed import Shard, init_group
 from rl.observe.console import configure_from_env
 from rl.run.build import build_learner, build_worker
 from rl.run.devices import torch_device, with_devices
+from rl.run.fleet import WeightBoard, board_name, find_board
 from rl.run.launch import connect, rendezvous
 from rl.run.placement import PlacementError, check_cluster, demands, unplaced
-from rl.run.weights import (
-    Manifest,
-    Publisher,
-    Receiver,
-    WeightBoard,
-    board_name,
-    connect_broadcast,
-    find_board,
-)
+from rl.run.weights import Manifest, Publisher, Receiver, connect_broadcast
 from rollout.keys import RunKeys
 from rollout.worker import Task
 
@@ -84,10 +77,10 @@ class WorkerHost:
             self.worker.policy.load_weights(version, weights, expected)
 
     def _install_staged(self) -> None:
-        with self.lock:
+        with self.lock:  # held while loading: a push meanwhile compares with the new version
             staged, self.staged = self.staged, None
-        if staged is not None:
-            self.worker.session().load_weights(*staged)
+            if staged is not None:
+                self.worker.session().load_weights(*staged)
 
     def serve(self, params: SamplingParams) -> None:
         """Async mode: generate until `stop_serving` (rl/run/serving.py builds the loop)."""
@@ -112,7 +105,8 @@ class WorkerHost:
         worker reports its restart even before its serve loop is rebuilt."""
         from rollout.worker import summarize
 
-        caught_up, self.caught_up = self.caught_up, 0
+        with self.lock:
+            caught_up, self.caught_up = self.caught_up, 0
         restarts = {"restarts": float(self.starts - 1), "caught_up": float(caught_up)}
         if self.rollouts is None:
             return restarts
@@ -178,7 +172,8 @@ class WorkerHost:
         latest = ray.get(board.get.remote())
         if latest is not None and latest[0].version > self.newest():
             self.receiver.receive_object_store(*latest)
-            self.caught_up += 1
+            with self.lock:
+                self.caught_up += 1
             logger.warning(f"worker-{self.index} fetched version {latest[0].version} by itself")
         return self.newest()
 
@@ -212,7 +207,7 @@ class LearnerHost:
         self.followers: list = []
         self.learner = None
         self.publisher = Publisher(self._export_all, bucket_mb=cfg.weights.bucket_mb)
-        self._board = None  # async mode: rl/run/weights.py WeightBoard (attach_board)
+        self._board = None  # async mode: rl/run/fleet.py WeightBoard (attach_board)
         if world == 1:
             self.setup()
 

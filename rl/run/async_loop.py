@@ -202,7 +202,7 @@ def _worker_metrics(count: int, asked: list, seconds: float, late: list) -> dict
         if s is not None:
             restarts[i] = max(restarts.get(i, 0.0), s.get("restarts", 0.0))
     out["workers/restarted"] = sum(restarts.values())
-    out["workers/answering"] = float(len(stats))
+    out["workers/answering"] = float(len({i for i, s in answers if s is not None}))
     out.update(token_share_min(tokens))
     episodes = [{**s, "seconds": seconds} for s in stats if s.get("episodes")]
     if episodes:

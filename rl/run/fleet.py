@@ -6,7 +6,7 @@ travelling while the learner's next step trains, settled once that step is done.
                   push k travels to the workers --> settled after step k+1
 
 A worker that restarted meanwhile is forgiven a push it missed: it fetches the latest version
-from the run's weight board itself (rl/run/weights.py WeightBoard, rl/run/actors.py
+from the run's weight board itself (rl/run/fleet.py WeightBoard, rl/run/actors.py
 `catch_up`). With the broadcast transport a restart also breaks the gloo group: a push that
 was in flight then fails for every member, and the group is formed again before the next push.
 """
@@ -15,8 +15,16 @@ from __future__ import annotations
 
 import logging
 
+import ray
+
 from rl.observe.metrics import push_metrics
-from rl.run.weights import PushInFlight, begin_push, connect_broadcast, finish_push
+from rl.run.weights import (
+    Manifest,
+    PushInFlight,
+    begin_push,
+    connect_broadcast,
+    finish_push,
+)
 from rollout.keys import RunKeys
 
 logger = logging.getLogger(__name__)
@@ -36,24 +44,25 @@ class Fleet:
         names = [self.keys.worker_starts(i) for i in range(len(self.workers))]
         return [int(v or 0) for v in self.client.mget(names)]
 
-    def _forgiven(self) -> set[int]:
-        now = self.starts()
-        pairs = enumerate(zip(self.flight_starts, now, strict=True))
-        restarted = {i for i, (a, b) in pairs if a != b}
-        if restarted and self.transport == "broadcast":  # the whole group's collective failed
-            return set(range(len(self.workers)))
-        return restarted
+    def _restarted(self) -> set[int]:
+        """Workers whose incarnation changed since the push in flight began."""
+        pairs = enumerate(zip(self.flight_starts, self.starts(), strict=True))
+        return {i for i, (a, b) in pairs if a != b}
 
     def settle(self) -> dict[str, float]:
         """Wait for the push in flight (if any): its metrics, tagged with its version."""
         if self.flight is None:
             return {}
         flight, self.flight = self.flight, None
-        push = finish_push(flight, forgiven=self._forgiven)
+        push = finish_push(flight, restarted=self._restarted)
         if push["missed"]:
             missed = push["missed"]
             logger.warning(f"push of version {push['version']} missed by {missed} worker(s)")
-        return {**push_metrics(push), "weights/version": float(push["version"])}
+        return {
+            **push_metrics(push),
+            "weights/version": float(push["version"]),
+            "weights/settle_wait_seconds": push["waited"],
+        }
 
     def start(self) -> dict[str, float]:
         """Publish the learner's weights and send them (the previous push must be settled);
@@ -69,3 +78,32 @@ class Fleet:
             self.learner, self.workers, timeout_s=self.timeout_s, transport=self.transport
         )
         return out
+
+
+class WeightBoard:
+    """The latest published weights (a manifest and its object-store refs), as a tiny named
+    actor (`<run id>-weights`, async mode): the learner posts every publication, and a worker
+    that starts or restarts fetches the latest itself instead of waiting for the next push.
+    Holding the refs keeps that one version's objects alive; an older post never wins."""
+
+    def __init__(self) -> None:
+        self.latest: tuple[Manifest, list] | None = None
+
+    def post(self, manifest: Manifest, refs: list) -> None:
+        if self.latest is None or manifest.version > self.latest[0].version:
+            self.latest = (manifest, refs)
+
+    def get(self) -> tuple[Manifest, list] | None:
+        return self.latest
+
+
+def board_name(run_id: str) -> str:
+    return f"{run_id}-weights"
+
+
+def find_board(run_id: str):
+    """The run's WeightBoard actor, or None (sync mode has none)."""
+    try:
+        return ray.get_actor(board_name(run_id))
+    except ValueError:
+        return None

@@ -7,8 +7,9 @@ The learner exports full tensors once per push and splits them into buckets of a
   learner hashes the tensors on a thread; workers on a node map the same read-only memory,
   fetch bucket i+1 (a thread) while they hash bucket i, and install by adopting those verified
   arrays as their CPU tensors (no copy: `policy.hf.import_weights`).
-- `broadcast`: a gloo process group (learner = rank 0, workers = 1..N, set up once) broadcasts
-  each bucket as one flat byte tensor; the next bucket is on the wire while one is hashed.
+- `broadcast`: a gloo process group (learner = rank 0, workers = 1..N; formed again after a
+  worker restarts, rl/run/fleet.py) broadcasts each bucket as one flat byte tensor from a
+  learner thread; the next bucket is on the wire while one is hashed.
 
 Checksums are xxh3-64 (`policy.hf.checksum`): one digest per tensor, a bucket's checksum combines
 its tensors' digests, the push's checksum combines all of them. Every byte is hashed once on each
@@ -16,7 +17,8 @@ side: the learner while it stores the buckets (or at export, when the export's c
 digests), a worker as each bucket arrives. A worker verifies every bucket and the whole push
 before it installs anything, then installs all buckets at once: it serves version N or N-1, never
 a mix. A push not acknowledged by every worker within the timeout, or rejected by one, raises an
-error naming the workers.
+error naming the workers, unless the worker restarted meanwhile (it then fetches the newest
+version from the run's WeightBoard itself, rl/run/fleet.py; async mode, `finish_push`).
 """
 
 from __future__ import annotations
@@ -305,35 +307,6 @@ class Publisher:
             sending.result()
 
 
-class WeightBoard:
-    """The latest published weights (a manifest and its object-store refs), as a tiny named
-    actor (`<run id>-weights`, async mode): the learner posts every publication, and a worker
-    that starts or restarts fetches the latest itself instead of waiting for the next push.
-    Holding the refs keeps that one version's objects alive; an older post never wins."""
-
-    def __init__(self) -> None:
-        self.latest: tuple[Manifest, list] | None = None
-
-    def post(self, manifest: Manifest, refs: list) -> None:
-        if self.latest is None or manifest.version > self.latest[0].version:
-            self.latest = (manifest, refs)
-
-    def get(self) -> tuple[Manifest, list] | None:
-        return self.latest
-
-
-def board_name(run_id: str) -> str:
-    return f"{run_id}-weights"
-
-
-def find_board(run_id: str):
-    """The run's WeightBoard actor, or None (sync mode has none)."""
-    try:
-        return ray.get_actor(board_name(run_id))
-    except ValueError:
-        return None
-
-
 class Receiver:
     """Worker side. `install(version, weights, checksum)` gets `policy.hf.VerifiedWeights` (every
     bucket and the whole push already verified, each byte hashed once) and copies them in."""
@@ -416,37 +389,38 @@ def begin_push(learner, workers, *, timeout_s: float, transport: str) -> PushInF
     return PushInFlight(manifest, transport, learner, pending, len(workers), start, timeout_s, refs)
 
 
-def finish_push(push: PushInFlight, *, forgiven=lambda: set()) -> dict:
+def finish_push(push: PushInFlight, *, restarted=lambda: set()) -> dict:
     """Wait for every worker to install the push (the deadline counts from its start); returns
-    version, seconds, bytes, GB/s, missed. `forgiven()`: workers that restarted meanwhile, whose
-    failure is not an error (a restarted worker fetches the latest weights itself)."""
+    version, seconds (start to settled), waited (this call), bytes, GB/s, missed.
+    `restarted()`: workers that restarted meanwhile: their failure is not an error (a restarted
+    worker fetches the latest weights itself). With the broadcast transport a restart breaks
+    the group's collective, so the other members' timeouts and transport errors are forgiven
+    too (they get the next push, after the group is formed again); a corrupt push never is."""
+    called = time.perf_counter()
     pending, version = push.pending, push.manifest.version
-    ready, not_ready = _wait(push, forgiven)
-    versions, failed = [], {}
+    ready, not_ready = _wait(push, restarted)
+    versions, failed, corrupt = [], {}, set()
     for ref in sorted(ready, key=pending.get):  # in worker order
         try:
             versions.append(ray.get(ref))
         except ray.exceptions.RayError as err:  # a rejected push, or a dead worker
             cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
             failed[pending[ref]] = f"worker-{pending[ref]} ({cause!r})"
+            if isinstance(cause, ValueError):  # a corrupt bucket or checksum
+                corrupt.add(pending[ref])
     late = {pending[ref] for ref in not_ready}
-    missed = (set(failed) | late) & forgiven() if failed or late else set()
+    gone = restarted() if failed or late or push.transport == "broadcast" else set()
+    missed = _missed(push, set(failed) | late, corrupt, gone)
     for ref in not_ready:
         ray.cancel(ref, force=False)
-    late -= missed
-    rejected = [why for i, why in sorted(failed.items()) if i not in missed]
-    if late:
-        names = ", ".join(f"worker-{i}" for i in sorted(late))
-        also = f"failed on {'; '.join(rejected)}; " if rejected else ""
-        raise WeightPushTimeout(
-            f"weight push of version {version} {also}not acknowledged within "
-            f"{push.timeout_s:.0f} s by: {names}"
-        )
-    if rejected:
-        why = "; ".join(rejected)
-        raise WeightPushRejected(f"weight push of version {version} failed on {why}")
-    if push.transport == "broadcast" and not missed:  # else the group is formed again
-        ray.get(push.learner.sent.remote())  # the learner's send thread ended well
+    _raise_failures(
+        version,
+        push.timeout_s,
+        late - missed,
+        [failed[i] for i in sorted(failed) if i not in missed],
+    )
+    if push.transport == "broadcast" and not gone:  # else the group is formed again
+        _sent(push)
     if any(v < version for v in versions):  # a newer version (fetched by itself) is fine
         raise RuntimeError(f"workers report versions {versions} after pushing {version}")
     seconds = time.perf_counter() - push.started
@@ -454,18 +428,51 @@ def finish_push(push: PushInFlight, *, forgiven=lambda: set()) -> dict:
     logger.debug(
         f"pushed version {version} ({push.manifest.nbytes / 2**20:.1f} MiB, "
         f"{len(push.manifest.buckets)} buckets, {push.transport}) to {push.workers} workers "
-        f"in {seconds:.3f} s" + (f"; missed by restarted {sorted(missed)}" if missed else "")
+        f"in {seconds:.3f} s" + (f"; missed by {sorted(missed)}" if missed else "")
     )
     return {
         "version": version,
         "seconds": seconds,
+        "waited": time.perf_counter() - called,
         "bytes": push.manifest.nbytes,
         "gb_per_s": delivered / seconds / 1e9,
         "missed": len(missed),
     }
 
 
-def _wait(push: PushInFlight, forgiven) -> tuple[list, list]:
+def _missed(push: PushInFlight, failing: set[int], corrupt: set[int], gone: set[int]) -> set[int]:
+    """The failing workers that are forgiven (see finish_push)."""
+    if push.transport == "broadcast" and gone:
+        return (failing - corrupt) | (failing & gone)
+    return failing & gone
+
+
+def _raise_failures(version: int, timeout_s: float, late: set[int], rejected: list[str]) -> None:
+    if late:
+        names = ", ".join(f"worker-{i}" for i in sorted(late))
+        also = f"failed on {'; '.join(rejected)}; " if rejected else ""
+        raise WeightPushTimeout(
+            f"weight push of version {version} {also}not acknowledged within "
+            f"{timeout_s:.0f} s by: {names}"
+        )
+    if rejected:
+        why = "; ".join(rejected)
+        raise WeightPushRejected(f"weight push of version {version} failed on {why}")
+
+
+def _sent(push: PushInFlight) -> None:
+    """The learner's send thread ended well (within what is left of the push's deadline)."""
+    left = max(1.0, push.started + push.timeout_s - time.perf_counter())
+    try:
+        ray.get(push.learner.sent.remote(), timeout=left)
+    except ray.exceptions.GetTimeoutError:
+        raise WeightPushTimeout(
+            f"weight push of version {push.manifest.version}: the learner's broadcast did not "
+            f"end within {push.timeout_s:.0f} s"
+        ) from None
+
+
+def _wait(push: PushInFlight, restarted) -> tuple[list, list]:
     """The workers' answers until all came or the deadline passed; with the broadcast
     transport also until a worker restarted (its group's collective cannot end well, and the
     members still in it would only time out)."""
@@ -474,7 +481,7 @@ def _wait(push: PushInFlight, forgiven) -> tuple[list, list]:
         left = max(0.0, deadline - time.perf_counter())
         slice_s = left if push.transport != "broadcast" else min(left, 1.0)
         ready, not_ready = ray.wait(refs, num_returns=len(refs), timeout=slice_s)
-        if not not_ready or left <= slice_s or forgiven():
+        if not not_ready or left <= slice_s or restarted():
             return ready, not_ready
 
 

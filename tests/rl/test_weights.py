@@ -20,11 +20,11 @@ from policy.hf import (
     import_weights,
     verified,
 )
+from rl.run.fleet import WeightBoard
 from rl.run.weights import (
     PIECE_BYTES,
     Publisher,
     Receiver,
-    WeightBoard,
     WeightPushRejected,
     WeightPushTimeout,
     begin_push,
@@ -200,14 +200,19 @@ def test_a_push_travels_while_the_driver_goes_on(local_ray, transport):
 
 
 def test_a_push_missed_by_a_restarted_worker_is_forgiven_and_others_are_not(local_ray):
-    """`forgiven` names the workers that restarted meanwhile (they fetch the latest weights
-    themselves): their failure is counted as missed; anyone else's is still an error."""
+    """`restarted` names the workers that restarted meanwhile (they fetch the latest weights
+    themselves): their failure is counted as missed; anyone else's is still an error, and with
+    the broadcast transport a corrupt push is never forgiven to a member that did not restart."""
     learner, workers = actors(n=2, corrupt="bucket")
     push = begin_push(learner, workers, timeout_s=60, transport="object_store")
-    assert finish_push(push, forgiven=lambda: {0, 1})["missed"] == 2
+    assert finish_push(push, restarted=lambda: {0, 1})["missed"] == 2
     push = begin_push(learner, workers, timeout_s=60, transport="object_store")
     with pytest.raises(WeightPushRejected, match=r"failed on worker-1 "):
-        finish_push(push, forgiven=lambda: {0})
+        finish_push(push, restarted=lambda: {0})
+    learner, workers = actors(n=2, corrupt="bucket", transport="broadcast")
+    push = begin_push(learner, workers, timeout_s=60, transport="broadcast")
+    with pytest.raises(WeightPushRejected, match=r"failed on worker-1 .*corrupt"):
+        finish_push(push, restarted=lambda: {0})
 
 
 def test_the_weight_board_keeps_the_newest_post_only():
