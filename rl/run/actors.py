@@ -26,7 +26,7 @@ from rl.learner.distributed import Shard, init_group
 from rl.observe.console import configure_from_env
 from rl.run.build import build_learner, build_worker
 from rl.run.devices import torch_device, with_devices
-from rl.run.fleet import WeightBoard, board_name, find_board
+from rl.run.fleet import fetch_from_board, find_board, post_to_board, start_board
 from rl.run.launch import connect, rendezvous
 from rl.run.placement import PlacementError, check_cluster, demands, unplaced
 from rl.run.weights import Manifest, Publisher, Receiver, connect_broadcast
@@ -169,7 +169,7 @@ class WorkerHost:
             if self.cfg.trainer.mode == "async":
                 logger.warning(f"worker-{self.index}: no weight board; waiting for a push")
             return self.newest()
-        latest = ray.get(board.get.remote())
+        latest = fetch_from_board(board)
         if latest is not None and latest[0].version > self.newest():
             self.receiver.receive_object_store(*latest)
             with self.lock:
@@ -232,6 +232,10 @@ class LearnerHost:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> tuple[str, str]:
+        """(Ray node id, node address) of the learner's node (rank 0)."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
     def step(self) -> dict[str, float]:
         # Fault injection for the resume tests: testing.faults.kill_learner_at SIGKILLs this
         # process when that step begins (its rollouts are already in the stream).
@@ -280,7 +284,7 @@ class LearnerHost:
     def _post(self, manifest: Manifest, refs: list) -> None:
         board = self.board()
         if board is not None:
-            ray.get(board.post.remote(manifest, refs))
+            post_to_board(board, manifest, refs)
 
     def open_broadcast(self) -> tuple[str, int]:
         return self.publisher.open_broadcast()
@@ -408,7 +412,7 @@ def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     ]
     learner = start_learner(cfg, model_dir, redis_url, run_id)
     if cfg.trainer.mode == "async":  # restarted workers fetch the latest weights from it
-        board = ray.remote(num_cpus=0)(WeightBoard).options(name=board_name(run_id)).remote()
+        board = start_board(run_id, ray.get(learner.node.remote())[0])
         ray.get(learner.attach_board.remote(board))  # its handle keeps the board alive
     places = ray.get([w.node.remote() for w in workers])  # surfaces constructor errors now
     logger.info(f"rollout workers on {where(places)}")

@@ -100,6 +100,8 @@ def _actor_died(err: ray.exceptions.RayActorError, run_dir: Path) -> str:
     who = "a Ray actor"
     if (name and name.group(1).endswith("-learner")) or "LearnerHost" in text:
         who = "the learner"
+    elif name and name.group(1).endswith("-weights"):
+        who = "the weight board"
     elif name and "-worker-" in name.group(1):
         who = f"rollout worker {name.group(1).rpartition('-')[2]} (rollout.max_restarts used up)"
     where = f" (process {pid.group(1)})" if pid else ""

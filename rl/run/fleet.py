@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rl.observe.metrics import push_metrics
 from rl.run.weights import (
@@ -101,9 +102,35 @@ def board_name(run_id: str) -> str:
     return f"{run_id}-weights"
 
 
+def start_board(run_id: str, node_id: str):
+    """The run's WeightBoard, on the learner's node (`node_id`): losing a worker node must not
+    take the board with it. Restarted (empty) if its process dies anyway; a post or a fetch that
+    meets it down is only a warning (`post_to_board`, `fetch_from_board`)."""
+    place = NodeAffinitySchedulingStrategy(node_id=node_id, soft=True)
+    options = dict(name=board_name(run_id), scheduling_strategy=place, max_restarts=-1)
+    return ray.remote(num_cpus=0)(WeightBoard).options(**options).remote()
+
+
 def find_board(run_id: str):
     """The run's WeightBoard actor, or None (sync mode has none)."""
     try:
         return ray.get_actor(board_name(run_id))
     except ValueError:
+        return None
+
+
+def post_to_board(board, manifest: Manifest, refs: list) -> None:
+    """The learner's post; a board that is down (restarting) misses this version only."""
+    try:
+        ray.get(board.post.remote(manifest, refs))
+    except ray.exceptions.RayActorError as err:
+        logger.warning(f"weight board unavailable; version {manifest.version} not posted: {err}")
+
+
+def fetch_from_board(board) -> tuple[Manifest, list] | None:
+    """The latest post, or None when the board is empty or down (the worker waits for a push)."""
+    try:
+        return ray.get(board.get.remote())
+    except ray.exceptions.RayActorError as err:
+        logger.warning(f"weight board unavailable; waiting for the next push: {err}")
         return None

@@ -48,12 +48,12 @@ def sigkill(pids: list[int]) -> None:
 
 
 def kill_workers_after_pushes(
-    out: Path, steps: int, *extra: str, workers: int, kill: int
+    out: Path, steps: int, *extra: str, workers: int, kill: int, board: bool = False
 ) -> tuple[subprocess.CompletedProcess, int, list[int]]:
     """Start a `steps`-step async run with `workers` rollout workers (and the `extra`
-    overrides); once step KILL_AT is logged, SIGKILL `kill` of the worker processes back to
-    back (the same instant, to the run), then let it finish. Returns the finished run, the last
-    step logged at the kill, and the killed pids."""
+    overrides); once step KILL_AT is logged, SIGKILL `kill` of the worker processes (and the
+    run's weight board with `board`) back to back (the same instant, to the run), then let it
+    finish. Returns the finished run, the last step logged at the kill, and the killed pids."""
     args = [CONFIG, *overrides(out, steps), f"rollout.num_workers={workers}", RESTORE, *extra]
     proc = start(args)
     try:
@@ -67,6 +67,10 @@ def kill_workers_after_pushes(
         titles = {pid: command_line(pid) for pid in pids}
         assert len(pids) == workers, f"more WorkerHost processes than workers: {titles}"
         at, killed = last_step(out), pids[:kill]
+        if board:
+            (board_pid,) = actor_pids(proc.pid, "WeightBoard")
+            titles[board_pid] = command_line(board_pid)
+            killed.append(board_pid)
         sigkill(killed)
         try:
             stdout, _ = proc.communicate(timeout=TIMEOUT_S)
@@ -168,6 +172,25 @@ def test_a_worker_killed_after_several_pushes_with_the_broadcast_transport(tmp_p
     assert max(waits.values()) < 90, waits
     assert restarts(records) >= 1, proc.stdout[-4000:]
     check_books(account(run_dir), steps, "broadcast, a worker killed after several pushes")
+
+
+def test_the_weight_board_killed_with_a_worker(tmp_path):
+    """The run's weight board (rl/run/fleet.py) and one of two workers are SIGKILLed in the
+    same instant after step 3. The board is restarted empty and the learner posts to it again;
+    a post or a fetch that meets it down is a warning, never the run's end (before, the
+    learner's next post raised "a Ray actor died" and the run stopped: what CI saw when the
+    board sat on a lost worker node). Every step is logged and the books balance."""
+    steps = 7
+    proc, at, killed = kill_workers_after_pushes(tmp_path, steps, workers=2, kill=1, board=True)
+    assert len(killed) == 2
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_dir = run_dir_of(tmp_path)
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    caught_up = sum(r.get("workers/caught_up", 0) for r in records)
+    print(f"[the board and a worker killed after step {at}] caught up {caught_up:.0f} time(s)")
+    assert restarts(records) >= 1, proc.stdout[-4000:]
+    check_books(account(run_dir), steps, "the weight board killed with a worker")
 
 
 def test_all_workers_killed_at_once(tmp_path):

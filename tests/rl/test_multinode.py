@@ -150,6 +150,9 @@ def test_a_run_across_nodes_survives_losing_a_worker_node(cluster, tmp_path):
         (learner,) = learners.values()
         placed = {name: a["Address"]["NodeID"] for name, a in workers.items()}
         assert learner["Address"]["NodeID"] == head
+        boards = wait_for("weight board", lambda: actors(cluster, "WeightBoard"), proc, log)
+        (board,) = boards.values()  # on the learner's node: losing a worker node keeps it
+        assert board["Address"]["NodeID"] == head
         assert set(placed.values()) == set(nodes), f"not one worker per worker node: {placed}"
         (run_dir,) = tmp_path.glob("e2e-*")
         wait_for("step 2", lambda: train_steps(run_dir) >= 2, proc, log)
