@@ -28,6 +28,22 @@ def overrides(out: Path, steps: int) -> list[str]:
     ]
 
 
+K3 = (  # the K3 policy (k3-debug) with routes recorded and replayed: they cross the stream,
+    # saves and restores (tests/chaos/test_chaos_fleet.py, tests/rl/test_async.py)
+    "policy.model_type=agentrl_k3",
+    "policy.config={preset: k3-debug}",
+    "trainer.routing_replay=true",
+)
+
+
+def replayed_everywhere(records: list[dict]) -> dict[int, float]:
+    """The steps whose share of sampled tokens trained on a replayed route (moe/replayed_share)
+    is not 1: each trajectory's routes must cover every sampled token, across every save,
+    restore and restart (empty when all are)."""
+    return {r["step"]: r.get("moe/replayed_share") for r in records
+            if r.get("moe/replayed_share") != 1.0}  # fmt: skip
+
+
 def start(args: list[str], env: dict | None = None) -> subprocess.Popen:
     """`agentrl train ARGS` in its own session, stdout and stderr merged."""
     return subprocess.Popen(

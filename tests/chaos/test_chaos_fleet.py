@@ -20,12 +20,14 @@ import pytest
 from tests.chaos.books import account, check_books
 from tests.chaos.runs import (
     CONFIG,
+    K3,
     TIMEOUT_S,
     actor_pids,
     command_line,
     last_step,
     metrics,
     overrides,
+    replayed_everywhere,
     run_dir_of,
     start,
     train,
@@ -96,14 +98,19 @@ def restarts(records: list[dict]) -> float:
     return max(r.get("workers/restarted", 0) for r in records)
 
 
-def test_a_worker_killed_at_a_natural_moment_after_several_pushes(tmp_path):
+@pytest.mark.parametrize("policy", ["qwen3", "k3"])
+def test_a_worker_killed_at_a_natural_moment_after_several_pushes(tmp_path, policy):
     """One of two workers is SIGKILLed from outside after step 3 (it holds version >= 2): Ray
     restarts it, its tasks are reclaimed and go on from their last snapshots (turn boundaries,
     token-budget pauses) or from the start, the run logs every step and ends well, and the
-    books balance: an unplanned crash loses no group and trains none twice."""
+    books balance: an unplanned crash loses no group and trains none twice. With the K3 policy
+    (routing replay on) every sampled token of every step trains on its recorded route."""
     steps = 8
-    proc, at, _ = kill_workers_after_pushes(tmp_path, steps, workers=2, kill=1)
+    extra = K3 if policy == "k3" else ()
+    proc, at, _ = kill_workers_after_pushes(tmp_path, steps, *extra, workers=2, kill=1)
     assert proc.returncode == 0, proc.stdout[-4000:]
+    if policy == "k3":
+        assert not replayed_everywhere(metrics(run_dir_of(tmp_path))), proc.stdout[-4000:]
     run_dir = run_dir_of(tmp_path)
     records = metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
@@ -193,15 +200,19 @@ def test_the_weight_board_killed_with_a_worker(tmp_path):
     check_books(account(run_dir), steps, "the weight board killed with a worker")
 
 
-def test_all_workers_killed_at_once(tmp_path):
+@pytest.mark.parametrize("policy", ["qwen3", "k3"])
+def test_all_workers_killed_at_once(tmp_path, policy):
     """Both workers are SIGKILLed in the same instant after step 3: no worker is left to take
     over the tasks, so the run rests on Ray restarting both (each catching up on the weights by
     itself) and on them reclaiming their own tasks. Both restarts show, every step is logged,
-    and the books balance."""
+    and the books balance. With the K3 policy every sampled token trains on its recorded route."""
     steps = 8
-    proc, at, killed = kill_workers_after_pushes(tmp_path, steps, workers=2, kill=2)
+    extra = K3 if policy == "k3" else ()
+    proc, at, killed = kill_workers_after_pushes(tmp_path, steps, *extra, workers=2, kill=2)
     assert len(killed) == 2
     assert proc.returncode == 0, proc.stdout[-4000:]
+    if policy == "k3":
+        assert not replayed_everywhere(metrics(run_dir_of(tmp_path))), proc.stdout[-4000:]
     run_dir = run_dir_of(tmp_path)
     records = metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))

@@ -23,7 +23,7 @@ import redis
 from rollout.codec import decode_episode
 from rollout.keys import RunKeys
 from tests.chaos.books import account, check_books
-from tests.chaos.runs import CONFIG, metrics, overrides, start
+from tests.chaos.runs import CONFIG, K3, metrics, overrides, replayed_everywhere, start
 from tests.rl.test_e2e import ROOT, alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -100,9 +100,15 @@ def _signal(pids: set[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def test_whole_job_sigkilled_then_resumed_loses_nothing(tmp_path):
+@pytest.mark.parametrize("policy", ["qwen3", "k3"])
+def test_whole_job_sigkilled_then_resumed_loses_nothing(tmp_path, policy):
+    """The whole job SIGKILLed while an episode is saved mid-way, then resumed: nothing is lost
+    or trained twice. With the K3 policy (routing replay on) the routes recorded before the
+    kill cross the stream, the save and the restore: every step trains every sampled token on
+    its recorded route."""
     steps = 12
-    proc = start([CONFIG, *overrides(tmp_path, steps)])
+    extra = K3 if policy == "k3" else ()
+    proc = start([CONFIG, *overrides(tmp_path, steps), *extra])
     run_dir = kill_when_saved_mid_episode(proc, tmp_path)
     assert not (run_dir / "final-model").exists()
     resumed = subprocess.run(
@@ -115,4 +121,6 @@ def test_whole_job_sigkilled_then_resumed_loses_nothing(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "will be trained (none is lost)" in resumed.stdout
     assert sum(r.get("workers/restored_episodes", 0) for r in metrics(run_dir)) > 0
-    check_books(account(run_dir), steps, "whole job SIGKILLed, resumed")
+    check_books(account(run_dir), steps, f"whole job SIGKILLed, resumed ({policy})")
+    if policy == "k3":
+        assert not replayed_everywhere(metrics(run_dir)), resumed.stdout[-3000:]

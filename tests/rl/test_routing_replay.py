@@ -1,21 +1,35 @@
-"""Routing replay (R3) and the routing-mismatch metric, with the real K3 policy and engine."""
+"""Routing replay (R3) and the routing-mismatch metric, with the real K3 policy and engine, and
+routes that cross a worker crash (a saved episode restored by another worker's engine)."""
 
 from __future__ import annotations
 
 import copy
 
+import gymnasium
 import pytest
 import torch
 
+import envs  # noqa: F401
+from policy.engines import open_session
 from policy.k3.engine import K3Policy
 from policy.sampling import SamplingParams
+from policy.session import Sampled
+from reward import build_reward
 from rl.config.runfile import TrainerConfig
 from rl.learner.batch import pack
 from rl.learner.learner import Learner
-from rollout.codec import decode_group, encode_group
+from rollout.agent import AgentLoop
+from rollout.codec import decode_episode, decode_group, encode_group
+from rollout.episode import EpisodeLimits
+from rollout.render import ChatRenderer
+from rollout.serve import AsyncRollouts, ServeOptions
+from rollout.tasks import TaskQueue
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
+from rollout.worker import RolloutWorker
 from tests.policy.k3.test_engine import make_model
 from tests.rl.test_learner import ListSource
+from tests.rollout.test_render_and_episode import expert_script
+from tests.rollout.test_serve import KEYS, run_for
 
 
 def rollouts(model, n=4, seed=0):
@@ -115,3 +129,124 @@ def test_replay_is_per_trajectory_when_some_lack_records():
     assert 0 < want < 1
     assert run.step()["moe/replayed_share"] == pytest.approx(want)
     assert learner(drifted, group, replay=False).step()["moe/replayed_share"] == 0.0
+
+
+class ForcedK3Session:
+    """The real K3 session (its forwards record the routes), with each sampled token replaced
+    by a script's, so that an untrained model makes tool calls and episodes have several turns.
+    The logprobs stay those of the tokens the model sampled: only the routes are under test."""
+
+    def __init__(self, inner, tokenizer, script):
+        self.inner, self.tokenizer, self.script = inner, tokenizer, script
+        self.history: dict = {}  # key -> every token fed or forced so far
+        self.queued: dict = {}  # key -> the rest of the scripted turn
+
+    def add(self, keys, token_ids):
+        for key, ids in zip(keys, token_ids, strict=True):
+            self.history.setdefault(key, []).extend(ids)
+            self.queued.pop(key, None)
+        return self.inner.add(keys, token_ids)
+
+    def step(self, keys, params):
+        out = []
+        for key, sampled in zip(keys, self.inner.step(keys, params), strict=True):
+            if key not in self.queued:
+                text = self.script(self.history[key])
+                self.queued[key] = self.tokenizer.encode(text, add_special_tokens=False)
+            token = self.queued[key].pop(0)
+            if not self.queued[key]:
+                del self.queued[key]
+            self.inner.contexts[key].pending = token  # fed by the next forward, as sampled
+            self.history[key].append(token)
+            out.append(Sampled(token=token, logprob=sampled.logprob, routes=sampled.routes))
+        return out
+
+    def drop(self, keys):
+        self.inner.drop(keys)
+        for key in keys:
+            self.history.pop(key, None)
+            self.queued.pop(key, None)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def serving(model, tokenizer, client, consumer: str, **options) -> AsyncRollouts:
+    """A rollout worker's serve loop on a K3 session that records routes (a fresh K3Policy over
+    `model`: a new process's engine), its turns scripted by the calculator expert."""
+    renderer = ChatRenderer(tokenizer)
+    policy = K3Policy(model, pad_token_id=0, record_routing=True)
+    session = ForcedK3Session(open_session(policy), tokenizer, expert_script(tokenizer))
+    worker = RolloutWorker(
+        env_factory=lambda: gymnasium.make("agentrl/Calculator-v0"),
+        env_id="agentrl/Calculator-v0",
+        policy=None,
+        renderer=renderer,
+        scorer=build_reward({"task_completion": 1.0}),
+        sink=None,
+        limits=EpisodeLimits(),
+    )
+    loop = AgentLoop(session, renderer, EpisodeLimits(), deterministic=False)
+    opts = ServeOptions(consumer=consumer, group_size=2, max_episodes=8, **options)
+    return AsyncRollouts(worker, TaskQueue(client, KEYS), loop, opts)
+
+
+def drift(model):
+    """A copy whose expert selection differs (the bias moves selection only)."""
+    drifted = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in drifted.model.layers:
+            if layer.is_sparse:
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 1.0)
+    return drifted
+
+
+def routing(model, token_ids: list[int]) -> torch.Tensor:
+    """[T - 1, M, Kx] the model's own expert choices (sorted) at every predicting position."""
+    with torch.no_grad():
+        live = model(torch.tensor([token_ids]), return_routing=True).routed_experts
+    return live[:, :-1].transpose(0, 1).sort(-1).values  # [M, T, Kx] -> [T - 1, M, Kx]
+
+
+def test_a_trajectory_continued_across_a_worker_crash_replays_every_turns_routes(
+    tokenizer, redis_server
+):
+    """Worker w0 records routes, saves its episodes at a turn boundary and dies; w1, a new
+    engine that holds newer weights (routing moved), claims them, restores them (the whole
+    context prefilled again) and finishes them. Each continued trajectory keeps the routes
+    recorded before the crash (not w1's re-prefill), gains w1's for the later turns, covers
+    every position once (float64, against each model's own routing of the final sequence),
+    and the learner replays all of its sampled tokens."""
+    client, model = redis_server.client(), make_model(torch.float64)
+    newer = drift(model)
+    queue = TaskQueue(client, KEYS)
+    queue.issue([("g0", 5)])
+    dying = serving(model, tokenizer, client, "w0")
+    saved = lambda: [  # noqa: E731
+        decode_episode(data) for data in queue.saved_episodes("g0").values()
+    ]
+    run_for(dying, dying.loop.renderer, until=lambda: any(not x.get("final") for _, x in saved()))
+    before = {t.traj_id: t.routed_experts for t, x in saved() if not x.get("final")}
+    assert before and all(before.values())
+
+    taker = serving(newer, tokenizer, client, "w1", claim_idle_ms=0)
+    run_for(taker, taker.loop.renderer, until=lambda: client.xlen(KEYS.trajectories) == 1)
+    assert taker.counters["restored_episodes"] == len(before)
+    (_, fields_), *_ = client.xrange(KEYS.trajectories, "-", "+")
+    group = decode_group(fields_[b"group"])
+    continued = [t for t in group.trajectories if t.traj_id in before]
+    assert continued and all(t.resumed == 1 and t.num_turns >= 2 for t in continued)
+    for traj in continued:
+        routes = torch.tensor(traj.routed_experts).sort(-1).values  # [T - 1, M, Kx]
+        assert routes.shape[0] == len(traj.token_ids) - 1, traj.traj_id
+        kept = torch.tensor(before[traj.traj_id]).sort(-1).values
+        assert 0 < len(kept) < len(routes)  # turns before the crash and after it
+        old, new = routing(model, traj.token_ids), routing(newer, traj.token_ids)
+        assert torch.equal(routes[: len(kept)], kept)  # recorded before the crash, kept
+        assert torch.equal(kept, old[: len(kept)]) and not torch.equal(kept, new[: len(kept)])
+        assert torch.equal(routes[len(kept) :], new[len(kept) :]), traj.traj_id
+    cfg = TrainerConfig(group_size=2, batch_size=2, micro_batch_size=2, lr=1e-9,
+                        routing_replay=True)  # fmt: skip
+    run = Learner(cfg, model=copy.deepcopy(newer).float(), source=ListSource([group]),
+                  pad_token_id=0, temperature=1.0)  # fmt: skip
+    assert run.step()["moe/replayed_share"] == 1.0
