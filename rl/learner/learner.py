@@ -35,6 +35,7 @@ from rl.learner.stats import (
     decoupled_weights,
     largest,
     length_metrics,
+    logprob_gap,
     mini_batches,
     share_rows,
     staleness_metrics,
@@ -204,8 +205,10 @@ class Learner:
         }
         if self.router_stats is not None:  # MoE policies
             metrics["moe/replayed_share"] = self._replayed_share(batch)
-        is_weight_NT = None
-        if cfg.off_policy == "decoupled":
+        is_weight_NT, gap = None, -1.0
+        if cfg.off_policy == "decoupled":  # the learner's logprobs of the whole batch, no grad
+            gap = logprob_gap(prep.learner_logp_NT, batch.old_logp_NT, batch.loss_mask_NT,
+                              batch.versions_NT, self.version)  # fmt: skip
             is_weight_NT, weights = decoupled_weights(
                 prep.learner_logp_NT, batch.old_logp_NT, batch.loss_mask_NT, cfg.tis_cap
             )
@@ -218,11 +221,16 @@ class Learner:
             if epoch:
                 order = torch.randperm(batch.size, generator=self.generator)
             for mini in mini_batches(order, cfg.mini_batch_size):
-                sums, grad_norm = self._update(batch, prep, mini, is_weight_NT, epoch == 0)
+                fresh = not steps  # the weights that sampled this version's tokens
+                sums, grad_norm = self._update(batch, prep, mini, is_weight_NT, epoch == 0, fresh)
                 _add(routing, {k: v for k, v in sums.items() if k.startswith("routing.")})
                 largest_ratio = max(largest_ratio, sums.pop("local.is_weight_max"))
+                gap = max(gap, sums.pop("local.logprob_gap"))
                 steps.append(step_metrics(sums, grad_norm))
         metrics.update(self._step_summary(average(steps), routing, largest_ratio))
+        gap = largest(self.shard, gap)
+        if gap >= 0:  # some sampled token of this version was trained
+            metrics["learner/logprob_delta_max"] = gap
         taken = sum(math.isfinite(step["learner/grad_norm"]) for step in steps)
         metrics["learner/optimizer_steps"] = float(taken)  # a non-finite gradient's is skipped
         return metrics
@@ -336,17 +344,20 @@ class Learner:
         return torch.autocast(device, dtype=torch.bfloat16)
 
     def _update(
-        self, batch, prep: Prepared, mini: torch.Tensor, is_weight_NT, first_pass: bool
-    ) -> tuple[dict[str, float], float]:
+        self, batch, prep: Prepared, mini: torch.Tensor, is_weight_NT, first_pass: bool,
+        fresh: bool,
+    ) -> tuple[dict[str, float], float]:  # fmt: skip
         """One optimizer step on the mini-batch `mini` (rows of `batch`), accumulated over this
         rank's micro-batches and normalised by the whole mini-batch's counts (all ranks).
         Returns the all-rank sums and the gradient norm. Router statistics and the routing
-        mismatch are taken on the batch's first pass only (every token once)."""
+        mismatch are taken on the batch's first pass only (every token once); the rollout /
+        learner logprob gap on the step's first optimizer step (`fresh`: unchanged weights)."""
         self.optimizer.zero_grad(set_to_none=True)
         norm = Normalizers.of(batch.loss_mask_NT[mini])
         turns = float(batch.turn_mask_NK[mini].sum().clamp(min=1))
         cap = self.cfg.tis_cap if self.cfg.off_policy == "tis" else None
         totals, sums = LossStats(), {"loss": 0.0, "entropy": 0.0, "value_loss": 0.0}
+        largest_gap = -1.0
         for index, scale in _pieces(self.shard.micro_batches(mini, self.cfg.micro_batch_size)):
             mb = batch.rows(index)
             width = mb.loss_mask_NT.shape[1]
@@ -366,6 +377,10 @@ class Learner:
                 )
             if routed is not None:
                 _add(sums, _routing_mismatch(routed, mb, scale))
+            if fresh and self.cfg.off_policy != "decoupled":  # decoupled: measured in _train
+                gap = logprob_gap(logp, mb.old_logp_NT, mb.loss_mask_NT, mb.versions_NT,
+                                  self.version)  # fmt: skip
+                largest_gap = max(largest_gap, gap)
             loss, stats = policy_loss(
                 logp,
                 mb.old_logp_NT,
@@ -398,7 +413,8 @@ class Learner:
         self.shard.sync_replicated(self.value_head)
         grad_norm = self._optimizer_step()
         sums = self.shard.sum({**sums, **{f"stat.{k}": getattr(totals, k) for k in totals.SUMMED}})
-        return {**sums, "local.is_weight_max": totals.is_weight_max}, grad_norm
+        local = {"local.is_weight_max": totals.is_weight_max, "local.logprob_gap": largest_gap}
+        return {**sums, **local}, grad_norm
 
     def _optimizer_step(self) -> float:
         """Clip, step (never with a NaN/Inf gradient: counted in skipped_steps), zero."""

@@ -140,3 +140,21 @@ def trained_outcomes(groups: list) -> dict[str, float]:
         "learner/reward_std": float(rewards.std(unbiased=False)),
         "learner/success_rate": sum(bool(t.success) for t in trajs) / len(trajs),
     }
+
+
+def logprob_gap(
+    logp_NT: torch.Tensor,
+    behav_logp_NT: torch.Tensor,
+    mask_NT: torch.Tensor,
+    versions_NT: torch.Tensor | None,
+    version: int,
+) -> float:
+    """max |learner - rollout| logprob over the sampled tokens (mask_NT > 0) that the learner's
+    current weights sampled (versions_NT == version; every one when versions are unknown): how
+    far the two engines differ on the same tokens and weights. -1 when no such token."""
+    same_NT = mask_NT > 0
+    if versions_NT is not None:
+        same_NT = same_NT & (versions_NT == version)
+    if not same_NT.any():
+        return -1.0
+    return float((logp_NT.detach().float() - behav_logp_NT.float()).abs()[same_NT].max())

@@ -250,3 +250,23 @@ def test_a_trajectory_continued_across_a_worker_crash_replays_every_turns_routes
     run = Learner(cfg, model=copy.deepcopy(newer).float(), source=ListSource([group]),
                   pad_token_id=0, temperature=1.0)  # fmt: skip
     assert run.step()["moe/replayed_share"] == 1.0
+
+
+@pytest.mark.parametrize("off_policy", ["none", "decoupled"])
+def test_the_logprob_gap_is_measured_on_the_current_weights_tokens(off_policy):
+    """learner/logprob_delta_max: max |learner - rollout| logprob over the sampled tokens of
+    the learner's own version. Same weights and replayed routes: float32 noise only; routing
+    drifted and not replayed: large; tokens of another version only: not reported."""
+    model = make_model(torch.float32)
+    group = rollouts(model)
+
+    def step(policy, data, replay):
+        run = learner(policy, data, replay=replay)
+        run.cfg.off_policy = off_policy
+        return run.step()
+
+    assert step(copy.deepcopy(model), group, True)["learner/logprob_delta_max"] < 1e-4
+    assert step(drift(model), group, False)["learner/logprob_delta_max"] > 1e-3
+    for t in group.trajectories:
+        t.token_versions = [7 if v >= 0 else v for v in t.token_versions]
+    assert "learner/logprob_delta_max" not in step(copy.deepcopy(model), group, True)
