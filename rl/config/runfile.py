@@ -216,6 +216,23 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _exact_needs_one_cpu_k3_learner(self) -> RunConfig:
+        t = self.trainer
+        if not t.exact_logprobs:
+            return self
+        why = None
+        if self.policy.path is None and self.policy.model_type != "agentrl_k3":
+            kind = self.policy.model_type
+            why = f"needs the K3 policy (policy.model_type: agentrl_k3, not {kind})"
+        elif "cuda" in (t.device, self.rollout.device):
+            why = "is a CPU mode (trainer.device and rollout.device: cpu or auto)"
+        elif t.world_size != 1 or t.autocast != "none":
+            why = "needs one learner rank (trainer.world_size: 1) and trainer.autocast: none"
+        if why is not None:
+            raise ConfigError("trainer.exact_logprobs", f"{why}; or set it to false")
+        return self
+
+    @model_validator(mode="after")
     def _budget_needs_async(self) -> RunConfig:
         if self.rollout.token_budget is not None and self.trainer.mode != "async":
             raise ConfigError(

@@ -71,6 +71,13 @@ class TrainerConfig(Section):
     the router still gets gradients through the replayed experts' scores. Needs
     rollout.record_routing; a trajectory without records is routed live (moe/replayed_share:
     the share of sampled tokens replayed)."""
+    exact_logprobs: bool = False
+    """K3 policy on CPU: the rollout engine decodes every episode alone, one token per forward
+    (policy/k3/engine/exact.py), and the learner scores each sequence the same way, so the
+    rollout's logprobs equal the learner's bit for bit, with or without routing replay
+    (learner/logprob_delta_max 0; the loss takes its values from that pass, its gradient from
+    the usual forward). Costs 6.8x in decode and 7.3x in the learner step on k3-tiny
+    (docs/benchmarks.md). Refused for other policies, cuda devices, world_size > 1, autocast."""
     vf_coef: float = Field(0.1, ge=0)
     """PPO: weight of the value loss (the value head shares the policy trunk)."""
     value_clip: Annotated[float, Field(gt=0)] | None = 0.2

@@ -27,6 +27,7 @@ from rl.learner.advantages import gae
 from rl.learner.algorithms import algorithm_for
 from rl.learner.batch import TrainBatch, pack, spread_turn_values
 from rl.learner.distributed import Shard
+from rl.learner.exact import exact_scorer, exact_values
 from rl.learner.group_ids import GroupIds
 from rl.learner.ledger import group_ids, new_entry, note, sort_groups
 from rl.learner.losses import LossStats, Normalizers, policy_loss, value_loss
@@ -97,6 +98,7 @@ class Learner:
             torch.nn.init.zeros_(self.value_head.bias)
             params += list(self.value_head.parameters())
         self.router_stats = _router_stats(self.trunk)
+        self.exact = exact_scorer(model) if cfg.exact_logprobs else None  # rl/learner/exact.py
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version, self.skipped_steps, self.dropped_groups = 0, 0, 0
         self.nonfinite_in_a_row = 0
@@ -375,6 +377,9 @@ class Learner:
                     replay_experts=self._replay(mb),
                     return_routing=self._measure_routing(mb) and first_pass,
                 )
+            if self.exact is not None:  # the rollout engine's values, this forward's gradient
+                logp = exact_values(self.exact, mb.input_ids_NT, mb.attention_mask_NT,
+                                    mb.loss_mask_NT, logp, self.temperature)  # fmt: skip
             if routed is not None:
                 _add(sums, _routing_mismatch(routed, mb, scale))
             if fresh and self.cfg.off_policy != "decoupled":  # decoupled: measured in _train

@@ -83,6 +83,7 @@ def build_worker(
         pad_token_id=renderer.pad_token_id,
         seed=cfg.seed * 1000 + index,
         record_routing=cfg.rollout.record_routing,
+        exact=cfg.trainer.exact_logprobs,
     )
     sink = None
     if redis_url is not None:

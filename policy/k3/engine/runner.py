@@ -51,7 +51,9 @@ class K3Policy:
     max_batch: rows decoded together (more prompts wait for free rows); prefill_chunk: tokens
     per prefill forward (bounds the [B, H, chunk, S] MLA scores); record_routing: fill
     Completion.routed_experts; fused: use the fused forward (decode.py) when the model is
-    float32/float64. Set torch's thread count outside (rollout workers: one per worker).
+    float32/float64; exact: sessions decode every episode alone, one token per forward, so that
+    its logprobs equal the learner's bit for bit (policy/k3/engine/exact.py). Set torch's thread
+    count outside (rollout workers: one per worker).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class K3Policy:
         prefill_chunk: int = 256,
         record_routing: bool = False,
         fused: bool = True,
+        exact: bool = False,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
@@ -73,7 +76,7 @@ class K3Policy:
             max_batch,
             prefill_chunk,
         )
-        self.record_routing = record_routing
+        self.record_routing, self.exact = record_routing, exact
         dtype = model.get_input_embeddings().weight.dtype
         self.fused = fused and dtype in (torch.float32, torch.float64)
         self.version = 0
