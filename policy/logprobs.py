@@ -32,7 +32,8 @@ def decoder_hidden(
 ) -> torch.Tensor:
     """[B, T-1, D]: the final hidden state at every position that predicts a next token.
     `moe` (MoE policies only): replay_experts / return_routing, passed through to the model;
-    with return_routing the result is (hidden, routed experts [M, B*T, K]).
+    with return_routing the result is (hidden, the router's own choices [M, B*T, K]: the experts
+    it picks, whether the forward replayed others or not).
     segment_tokens > 0 and T > segment_tokens: the decoder runs in segments of that many tokens
     with activation checkpointing (policy/k3/segments.py; K3 policies only, ValueError else)."""
     hidden_BTD, routed = all_hidden(
@@ -51,8 +52,8 @@ def all_hidden(
     segment_tokens: int = 0,
     **moe,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(hidden [B, T, D] at every position, the last one included, routed experts [M, B*T, K]
-    or None): `decoder_hidden` before it drops the last position (same arguments)."""
+    """(hidden [B, T, D] at every position, the last one included, the router's own choices
+    [M, B*T, K] or None): `decoder_hidden` before it drops the last position (same arguments)."""
     extra = {k: v for k, v in moe.items() if v is not None and v is not False}
     if segment_tokens and input_ids_BT.shape[1] > segment_tokens:
         return _segmented(model, input_ids_BT, attention_mask_BT, segment_tokens, extra)
@@ -63,7 +64,7 @@ def all_hidden(
         use_cache=False,
         **extra,
     )
-    return out.last_hidden_state, getattr(out, "routed_experts", None)
+    return out.last_hidden_state, getattr(out, "router_choice", None)
 
 
 def _segmented(model, input_ids_BT, attention_mask_BT, segment_tokens: int, extra: dict):

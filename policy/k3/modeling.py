@@ -23,8 +23,10 @@ KDA short-conv window as zeros.
 Routing replay: `replay_experts` gives, per MoE layer (in layer order), the experts to use for
 every token, [B*T, K] in x.reshape(-1, D) order (or [B, T, K]); the router still computes the
 weights from its live scores, so it keeps its gradients. A token whose row holds -1 (no record)
-is routed live. `return_routing=True` returns the live selections `routed_experts` [M, B*T, K]
-and the dense scores `router_scores` (M x [B*T, E]).
+is routed live. `return_routing=True` returns the selections the forward used `routed_experts`
+[M, B*T, K] (the replayed ones where replayed), the router's own top-k `router_choice` (same
+shape; equal to routed_experts without replay) and the dense scores `router_scores` (M x
+[B*T, E]).
 
 Letters: B batch, T new tokens, D hidden size, V vocabulary, M MoE layers, K experts per token,
 E experts.
@@ -65,6 +67,7 @@ class K3ModelOutput(ModelOutput):
     last_hidden_state: Tensor | None = None
     cache: K3Cache | None = None
     routed_experts: Tensor | None = None
+    router_choice: Tensor | None = None
     router_scores: tuple[Tensor, ...] | None = None
 
 
@@ -76,6 +79,7 @@ class K3CausalLMOutput(ModelOutput):
     logits: Tensor | None = None
     cache: K3Cache | None = None
     routed_experts: Tensor | None = None
+    router_choice: Tensor | None = None
     router_scores: tuple[Tensor, ...] | None = None
 
 
@@ -285,6 +289,7 @@ class K3Model(K3PreTrainedModel):
         out = K3ModelOutput(last_hidden_state=self.norm(state), cache=cache)
         if return_routing and routings:
             out.routed_experts = torch.stack([r.indices_TK for r in routings])
+            out.router_choice = torch.stack([r.chosen_TK for r in routings])
             out.router_scores = tuple(r.scores_TE for r in routings)
         return out
 
@@ -345,6 +350,7 @@ class K3ForCausalLM(K3PreTrainedModel, GenerationMixin):
             logits=logits_BTV,
             cache=out.cache,
             routed_experts=out.routed_experts,
+            router_choice=out.router_choice,
             router_scores=out.router_scores,
         )
 

@@ -37,6 +37,7 @@ class Routing(NamedTuple):
     weights_TK: torch.Tensor  # mixing weights (router compute dtype, differentiable)
     indices_TK: torch.Tensor  # int64 selected experts (live top-k, or the replayed ones)
     scores_TE: torch.Tensor  # dense pre-top-k scores (differentiable), for metrics and QB
+    chosen_TK: torch.Tensor | None = None  # int64 the router's own top-k, replayed or not
 
 
 @full_precision
@@ -113,6 +114,7 @@ class TopKRouter(nn.Module):
         scores_TE = router_scores(x_TD, self.weight, self.score_func)
         biased_TE = scores_TE.detach() + self.e_score_correction_bias.to(scores_TE.dtype)
         indices_TK = select_experts(biased_TE, self.top_k, self.num_expert_group, self.topk_group)
+        chosen_TK = indices_TK
         if replay_indices_TK is not None:
             expected = (x_TD.shape[0], self.top_k)
             if tuple(replay_indices_TK.shape) != expected or replay_indices_TK.is_floating_point():
@@ -123,7 +125,7 @@ class TopKRouter(nn.Module):
         weights_TK = combine_weights(
             scores_TE, indices_TK, self.renormalize, self.routed_scaling_factor
         )
-        return Routing(weights_TK, indices_TK, scores_TE)
+        return Routing(weights_TK, indices_TK, scores_TE, chosen_TK)
 
     def extra_repr(self) -> str:
         return (

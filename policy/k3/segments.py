@@ -108,7 +108,7 @@ def _segment(decoder, ids_BS, mask_BS, kda_in, latents_in, masks_in, replay, rou
         tuple(cache.kda_out),
         cache.latents_out,
         cache.mask_out,
-        out.routed_experts,
+        out.router_choice,
     )
 
 
@@ -131,7 +131,8 @@ def segmented_hidden(
 ) -> tuple[Tensor, Tensor | None]:
     """A K3Model (`decoder`) over [B, T] in segments of `segment` tokens.
 
-    Returns (last hidden state [B, T, D], routed experts [M, B*T, K] when return_routing, in
+    Returns (last hidden state [B, T, D], the router's own choices [M, B*T, K] (what it picks,
+    replayed or not) when return_routing, in
     K3Model's b-major token order, else None). replay_experts: per MoE layer [B, T, K] or
     [B*T, K] (or one [M, B*T, K] tensor). recompute: checkpoint each segment (None: when
     gradients are enabled).

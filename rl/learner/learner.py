@@ -328,8 +328,9 @@ class Learner:
         return float(replayed / mask_NT.sum().clamp(min=1))
 
     def _measure_routing(self, mb: TrainBatch) -> bool:
-        """Compare the learner's own routing with the rollout's (only meaningful without replay)."""
-        return mb.routes_NTMK is not None and not self.cfg.routing_replay
+        """Compare the learner's own routing with the rollout's record, replayed or not (the
+        model reports the router's own choice: policy/k3/modeling.py routed_experts)."""
+        return mb.routes_NTMK is not None
 
     def _values(self, hidden_NTD: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
         """Value of each turn [N, K], read at the turn's first predicting position (< T-1)."""

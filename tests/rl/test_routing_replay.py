@@ -67,17 +67,20 @@ def test_records_survive_the_stream_codec():
     assert len(back.trajectories[0].routed_experts) == len(group.trajectories[0].token_ids) - 1
 
 
-def test_mismatch_is_zero_on_the_same_weights_and_seen_when_routing_drifts():
+@pytest.mark.parametrize("replay", [False, True])
+def test_mismatch_is_zero_on_the_same_weights_and_seen_when_routing_drifts(replay):
+    """In every mode: with replay the learner trains on the recorded experts and still reports
+    where its router would have chosen others."""
     model = make_model(torch.float32)
     group = rollouts(model)
-    same = learner(copy.deepcopy(model), group, replay=False).step()
+    same = learner(copy.deepcopy(model), group, replay=replay).step()
     assert same["moe/routing_mismatch"] == 0.0
     drifted = copy.deepcopy(model)
     with torch.no_grad():
         for layer in drifted.model.layers:
             if layer.is_sparse:
                 layer.mlp.gate.e_score_correction_bias.normal_(0.0, 1.0)
-    assert learner(drifted, group, replay=False).step()["moe/routing_mismatch"] > 0.2
+    assert learner(drifted, group, replay=replay).step()["moe/routing_mismatch"] > 0.2
 
 
 @pytest.mark.parametrize("replay", [True, False])
