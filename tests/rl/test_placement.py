@@ -141,7 +141,8 @@ def test_a_missing_custom_resource_fails_in_seconds_on_a_real_ray(tmp_path):
         "rollout workers need 2 x {CPU: 0.5, rollout: 1} but the cluster has rollout: 0; "
         "add a node with the `rollout` resource or set rollout.resources"
     )
-    assert elapsed < 60  # Ray takes most of it: 3-5 s on idle cores, 15 s on a loaded box
+    # "before any work" is checked by what exists (_failed_fast), not by a clock: Ray's own
+    # start takes 3-5 s on idle cores and far longer on a loaded box (timing asserts flaked)
 
 
 @pytest.mark.slow
@@ -160,17 +161,15 @@ def test_more_cpus_than_the_local_ray_has_fails_before_sft_in_one_line(tmp_path)
     elapsed = _failed_fast(run_dir, started)
     print(f"exit {proc.returncode} after {elapsed:.1f} s (imports included): {proc.stderr}")
     assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()  # (Ray may log its own warnings at start)
-    assert (
-        [line for line in lines if line.startswith("agentrl")]
-        == lines[-1:]
-        == [
-            "agentrl: cannot place the run on the Ray cluster: learner ranks and rollout workers "
-            "need CPU: 3 in all (1 x 1 + 4 x 0.5) but the cluster has CPU: 2; lower "
-            "trainer.world_size, trainer.cpus, rollout.num_workers or rollout.cpus_per_worker, "
-            "raise ray.num_cpus, or add nodes with more `CPU`"
-        ]
-    )
-    assert "Traceback" not in proc.stdout + proc.stderr
-    assert "SFT" not in proc.stdout
-    assert elapsed < 120
+    # one line of ours; Ray's own processes may write to the same stderr before and after it
+    # (start-up warnings, log lines its log monitor flushes at shutdown on a loaded box)
+    lines = proc.stderr.strip().splitlines()
+    assert [line for line in lines if line.startswith("agentrl")] == [
+        "agentrl: cannot place the run on the Ray cluster: learner ranks and rollout workers "
+        "need CPU: 3 in all (1 x 1 + 4 x 0.5) but the cluster has CPU: 2; lower "
+        "trainer.world_size, trainer.cpus, rollout.num_workers or rollout.cpus_per_worker, "
+        "raise ray.num_cpus, or add nodes with more `CPU`"
+    ]
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if 'File "' in line]
+    assert not [line for line in ours if "/rl/" in line], ours  # no traceback through our code
+    assert "SFT" not in proc.stdout  # no work began: nor do the artifacts (_failed_fast)
