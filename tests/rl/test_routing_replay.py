@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import gymnasium
 import pytest
 import torch
 
@@ -14,22 +13,17 @@ from policy.engines import open_session
 from policy.k3.engine import K3Policy
 from policy.sampling import SamplingParams
 from policy.session import Sampled
-from reward import build_reward
 from rl.config.runfile import TrainerConfig
 from rl.learner.batch import pack
 from rl.learner.learner import Learner
-from rollout.agent import AgentLoop
 from rollout.codec import decode_episode, decode_group, encode_group
-from rollout.episode import EpisodeLimits
-from rollout.render import ChatRenderer
-from rollout.serve import AsyncRollouts, ServeOptions
+from rollout.serve import AsyncRollouts
 from rollout.tasks import TaskQueue
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
-from rollout.worker import RolloutWorker
 from tests.policy.k3.test_engine import make_model
 from tests.rl.test_learner import ListSource
 from tests.rollout.test_render_and_episode import expert_script
-from tests.rollout.test_serve import KEYS, run_for
+from tests.rollout.test_serve import KEYS, make, run_for
 
 
 def rollouts(model, n=4, seed=0):
@@ -177,21 +171,9 @@ class ForcedK3Session:
 def serving(model, tokenizer, client, consumer: str, **options) -> AsyncRollouts:
     """A rollout worker's serve loop on a K3 session that records routes (a fresh K3Policy over
     `model`: a new process's engine), its turns scripted by the calculator expert."""
-    renderer = ChatRenderer(tokenizer)
     policy = K3Policy(model, pad_token_id=0, record_routing=True)
     session = ForcedK3Session(open_session(policy), tokenizer, expert_script(tokenizer))
-    worker = RolloutWorker(
-        env_factory=lambda: gymnasium.make("agentrl/Calculator-v0"),
-        env_id="agentrl/Calculator-v0",
-        policy=None,
-        renderer=renderer,
-        scorer=build_reward({"task_completion": 1.0}),
-        sink=None,
-        limits=EpisodeLimits(),
-    )
-    loop = AgentLoop(session, renderer, EpisodeLimits(), deterministic=False)
-    opts = ServeOptions(consumer=consumer, group_size=2, max_episodes=8, **options)
-    return AsyncRollouts(worker, TaskQueue(client, KEYS), loop, opts)
+    return make(tokenizer, client, consumer, session=session, **options)[0]
 
 
 def drift(model):

@@ -31,9 +31,13 @@ KEYS = RunKeys("test")
 STREAM = KEYS.trajectories
 
 
-def make(tokenizer, client, consumer, env_factory=None, tool_timeout_s=60.0, **options):
+def make(
+    tokenizer, client, consumer, env_factory=None, tool_timeout_s=60.0, session=None, **options
+):
+    """A worker's serve loop on the calculator env; its turns scripted by the expert (or
+    `session`, any DecodeSession)."""
     renderer = ChatRenderer(tokenizer)
-    session = ScriptedSession(tokenizer, expert_script(tokenizer))
+    session = session or ScriptedSession(tokenizer, expert_script(tokenizer))
     worker = RolloutWorker(
         env_factory=env_factory or (lambda: gymnasium.make("agentrl/Calculator-v0")),
         env_id="agentrl/Calculator-v0",
