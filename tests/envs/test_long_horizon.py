@@ -17,6 +17,7 @@ import envs
 from envs.check import check_tool_env
 from envs.long_horizon import (
     RETRACTED,
+    Archive,
     LongHorizonEnv,
     facts_in,
     make_archive,
@@ -242,13 +243,17 @@ def test_a_100k_token_episode_is_fast_and_near_its_target():
     tokens = chars // 4
     assert 100_000 / 2 < tokens < 100_000 * 2, tokens
     assert outcome["details"]["chars_read"] == chars
+    # a regression bound, not a benchmark: ~0.1 s on an idle 2-core machine, so only a 10x+
+    # slowdown (or a badly overloaded machine) breaks it
     assert seconds < 5, seconds
 
 
-def test_the_archive_is_generated_on_demand():
+def test_the_archive_is_generated_on_demand(monkeypatch):
     rng = np.random.default_rng(0)
+    generated = []  # documents whose text was generated
+    real = Archive.text
+    monkeypatch.setattr(Archive, "text", lambda self, doc: generated.append(doc) or real(self, doc))
     tracemalloc.start()
-    start = time.perf_counter()
     archive = make_archive(
         rng,
         hops=4,
@@ -258,13 +263,14 @@ def test_the_archive_is_generated_on_demand():
         distractors=5,
         evidence_order="random",
     )
-    build_s = time.perf_counter() - start
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    # an archive of 1.6 billion tokens costs nothing until a document is read
-    assert build_s < 1 and peak < 2**20, (build_s, peak)
+    # an archive of 1.6 billion tokens costs nothing until a document is read: building it
+    # generates no text and holds under 1 MiB
+    assert generated == [] and peak < 2**20, (generated, peak)
     assert sum(len(v) for v in archive.inserts.values()) <= 4 * (1 + 5 + 1)
     assert len(archive.text(archive.positions[0])) >= 4 * 16_000
+    assert generated == [archive.positions[0]]  # made when read, not before
 
 
 @pytest.mark.slow
@@ -273,4 +279,5 @@ def test_a_million_token_episode():
     chars, outcome = expert_episode_chars(0, hops=4, distance=20, doc_tokens=16_000)
     seconds = time.perf_counter() - start
     assert outcome["success"] and chars // 4 > 900_000, chars
+    # a regression bound, not a benchmark: ~0.7 s on an idle 2-core machine (90x slack)
     assert seconds < 60, seconds

@@ -57,7 +57,7 @@ def box():
         pytest.skip("bubblewrap is not installed")
     before = leftovers()
     yield Sandbox(SandboxConfig(limits=LIMITS, require_isolation=True))
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 30  # a poll: usually gone at once; slack for a loaded machine
     while leftovers() != before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leftovers() == before, "the sandbox left processes behind"
@@ -94,7 +94,9 @@ except OSError as exc:
     forks = int(result.stdout.split()[1])
     assert forks <= LIMITS.max_processes and "BlockingIOError" in result.stdout
     assert result.status != "wall_timeout"
-    assert spawn_ms() < max(50 * before, 200)  # the host still starts processes promptly
+    # the host still starts processes (check=True), promptly: ~1-5 ms nominal; the bound only
+    # catches a host choked by escaped forks, not a busy CI machine
+    assert spawn_ms() < max(50 * before, 2000)
 
 
 def test_memory_bomb_gets_memory_error(box):
@@ -107,6 +109,8 @@ def test_infinite_loop_is_killed_at_the_cpu_limit(box):
     roomy = Sandbox(SandboxConfig(limits=dataclasses.replace(LIMITS, wall_s=20)))
     result = roomy.run_python("while True: pass")
     assert result.status == "cpu_limit", result.describe()
+    # it burned ~cpu_s of CPU before the limit (wall >= CPU time for one thread; 0.9: tick
+    # accounting); nominal ~1.1 s, and under the roomy 20 s wall limit, which did not fire
     assert LIMITS.cpu_s * 0.9 <= result.wall_s < 20
     assert "CPU time limit" in result.describe()
 
@@ -115,7 +119,9 @@ def test_infinite_loop_is_killed_at_the_cpu_limit(box):
 def test_sleep_is_killed_at_the_wall_timeout(box):
     result = box.run_python("import time; time.sleep(3600)")
     assert result.status == "wall_timeout" and result.timed_out
-    assert LIMITS.wall_s <= result.wall_s <= LIMITS.wall_s * 1.1 + 0.3
+    # the deadline cannot pass early; nominal wall_s (2 s) + the kill, bound 10x: far under
+    # the 3600 s the sleep would take
+    assert LIMITS.wall_s <= result.wall_s < LIMITS.wall_s * 10, result.wall_s
 
 
 @pytest.mark.slow

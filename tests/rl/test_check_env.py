@@ -87,7 +87,9 @@ def test_env_mistakes_are_config_errors_naming_the_key(site, overrides, message)
     assert code == 2, out
     assert f"agentrl: config error: {message}" in out
     assert "Traceback" not in out
-    assert seconds < 30, f"took {seconds:.1f} s"
+    # "in seconds": a regression bound, not a benchmark: ~4 s on an idle 2-core machine (the
+    # torch import dominates); only a 10x+ slowdown breaks it (the subprocess's limit is 120 s)
+    assert seconds < 60, f"took {seconds:.1f} s"
 
 
 def test_a_curriculum_stage_env_kwarg_typo(site):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -146,29 +145,34 @@ def test_check_build_names_the_kwarg_and_passes_good_ones():
 # 3. an unknown env id: fast, with the closest registered id
 
 
-def test_an_unknown_env_id_fails_fast_with_the_closest_id():
-    import envs  # noqa: F401  (its import is not the check: `agentrl` imports it anyway)
+def test_an_unknown_env_id_fails_fast_with_the_closest_id(monkeypatch):
+    import gymnasium
 
-    start = time.perf_counter()
+    import envs.registry  # (and envs, which registers the built-in ids, as `agentrl` does)
+
+    # fast: the id is looked up in the registry; no entry point is imported, no env is built
+    loaded = []
+    monkeypatch.setattr(envs.registry, "load_object", lambda *a: loaded.append(a))
+    monkeypatch.setattr(envs.registry, "check_build", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr(gymnasium, "make", lambda *a, **k: loaded.append(a))
     with pytest.raises(ConfigError) as info:
         check_env_id({"env": {"id": "agentrl/Calculater-v0"}})
-    seconds = time.perf_counter() - start
     assert info.value.key == "env.id"
     assert "did you mean 'agentrl/Calculator-v0'?" in info.value.message
-    assert seconds < 0.5, f"the env id check took {seconds:.2f} s"
+    assert loaded == []
     check_env_id({"env": {"id": "agentrl/Calculator-v0"}})  # a known id passes
     check_env_id({"env": {"id": "acme/New-v0", "entry_point": "acme.new:NewEnv"}})
 
 
 def test_check_of_an_unknown_env_id_stops_before_the_policy_is_imported():
     """`agentrl check` reports the id before the policy's settings are checked: those import
-    torch and transformers (seconds); the CLI's own work stays under a second."""
+    torch and transformers (seconds); the CLI's own work is light (no torch, transformers or
+    ray imported)."""
     script = (
-        "import sys, time\n"
+        "import sys\n"
         "from rl.cli import main\n"
-        "start = time.perf_counter()\n"
         f"code = main(['check', {QUICKSTART!r}, 'env.id=agentrl/Calculater-v0'])\n"
-        "print(code, 'torch' in sys.modules, round(time.perf_counter() - start, 3))\n"
+        "print(code, *(m in sys.modules for m in ('torch', 'transformers', 'ray')))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -178,9 +182,7 @@ def test_check_of_an_unknown_env_id_stops_before_the_policy_is_imported():
         "env.id: no environment 'agentrl/Calculater-v0' is registered; did you mean "
         "'agentrl/Calculator-v0'?" in proc.stderr
     )
-    code, torch_imported, seconds = proc.stdout.split()
-    assert code == "2" and torch_imported == "False", proc.stdout
-    assert float(seconds) < 3, f"main() took {seconds} s"  # ~0.3 s; slack for a busy machine
+    assert proc.stdout.split() == ["2", "False", "False", "False"], proc.stdout
 
 
 # 4. `agentrl plot RUN_DIR --output PATH`

@@ -102,24 +102,31 @@ class LearnerStub:
 
 
 class WorkerStub:
-    """The weight-receiving half of WorkerHost, over an HFPolicy."""
+    """The weight-receiving half of WorkerHost, over an HFPolicy. It takes a push only after
+    `delay` seconds and, given a `gate` path, once that file exists (held at most 60 s)."""
 
-    def __init__(self, delay: float = 0.0):
+    def __init__(self, delay: float = 0.0, gate: str | None = None):
         self.policy = HFPolicy(
             build_model("qwen3", TINY_MODEL, vocab_size=300, seed=2), pad_token_id=0
         )
         self.receiver = Receiver(self.policy.load_weights)
-        self.delay = delay
+        self.delay, self.gate = delay, gate
+
+    def hold(self):
+        time.sleep(self.delay)
+        deadline = time.monotonic() + 60
+        while self.gate and not Path(self.gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def receive_object_store(self, manifest, refs):
-        time.sleep(self.delay)
+        self.hold()
         return self.receiver.receive_object_store(manifest, refs)
 
     def join_broadcast(self, address, port, rank, world, timeout_s):
         self.receiver.join(address, port, rank, world, timeout_s)
 
     def receive_broadcast(self, manifest):
-        time.sleep(self.delay)
+        self.hold()
         return self.receiver.receive_broadcast(manifest)
 
     def fingerprint(self):
@@ -169,32 +176,39 @@ def test_corrupt_pushes_are_rejected_by_name_and_nothing_is_installed(
 
 def test_a_stuck_worker_times_out_by_name(local_ray):
     learner = ray.remote(LearnerStub).remote()
-    workers = [ray.remote(WorkerStub).remote(), ray.remote(WorkerStub).remote(delay=30)]
+    workers = [ray.remote(WorkerStub).remote(), ray.remote(WorkerStub).remote(delay=120)]
     ray.get([w.fingerprint.remote() for w in workers])  # both constructed
     start = time.monotonic()
     with pytest.raises(WeightPushTimeout, match=r"by: worker-1$"):
         push_weights(learner, workers, timeout_s=3)
-    assert time.monotonic() - start < 15
+    # nominal ~3 s (timeout_s); far under the 120 s the stuck worker would make it wait
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.parametrize("transport", ["object_store", "broadcast"])
-def test_a_push_travels_while_the_driver_goes_on(local_ray, transport):
+def test_a_push_travels_while_the_driver_goes_on(local_ray, transport, tmp_path):
     """`begin_push` returns once the learner has exported (async mode starts the next step
-    then), not when the workers have installed: with a worker that takes 3 s to take the push,
-    beginning takes well under that, and `finish_push` settles it with every worker at the
-    version. The learner's broadcast is sent on a thread: its actor answers at once."""
+    then), not when the workers have installed: it returns while a worker is held from taking
+    the push (until the test opens its gate), and `finish_push` settles it with every worker at
+    the version. The learner's broadcast is sent on a thread: its actor answers at once."""
+    gate = tmp_path / "gate"
     learner = ray.remote(LearnerStub).remote()
-    workers = [ray.remote(WorkerStub).remote(), ray.remote(WorkerStub).remote(delay=3)]
+    workers = [ray.remote(WorkerStub).remote(), ray.remote(WorkerStub).remote(gate=str(gate))]
     if transport == "broadcast":
         connect_broadcast(learner, workers, timeout_s=30)
     ray.get([w.fingerprint.remote() for w in workers])
-    start = time.monotonic()
-    push = begin_push(learner, workers, timeout_s=60, transport=transport)
-    began = time.monotonic() - start
-    ray.get(learner.expected.remote(), timeout=2)  # the learner is free while the push travels
-    assert began < 2.0, began
+    try:
+        push = begin_push(learner, workers, timeout_s=60, transport=transport)
+        held = [ref for ref, index in push.pending.items() if index == 1]
+        assert ray.wait(held, timeout=0)[1] == held  # begun while worker-1 cannot have taken it
+        # the learner is free while the push travels (answers in ms; were it busy with the push
+        # it could not answer before the gate opens, below)
+        ray.get(learner.expected.remote(), timeout=10)
+    finally:
+        gate.touch()
     result = finish_push(push)
-    assert time.monotonic() - start >= 3.0 and result["version"] == 7 and result["missed"] == 0
+    assert result["version"] == 7 and result["missed"] == 0
+    assert ray.wait(held, timeout=0)[0] == held  # settled only once worker-1 took it
     expected = ray.get(learner.expected.remote())
     assert ray.get([w.fingerprint.remote() for w in workers]) == [(7, expected)] * 2
 

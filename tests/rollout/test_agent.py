@@ -78,21 +78,38 @@ class SlowEnv(gymnasium.Wrapper):
         return self.env.step(action)
 
 
+class HeldEnv(gymnasium.Wrapper):
+    """An env whose steps wait until `release` is set (at most 30 s: under the loop's 60 s tool
+    timeout); `waits` records, per step, whether it was released (not left to time out)."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.release, self.waits = threading.Event(), []
+
+    def step(self, action):
+        self.waits.append(self.release.wait(30))
+        return self.env.step(action)
+
+
 def test_a_slow_tool_stalls_only_its_own_episode(tokenizer):
     renderer = ChatRenderer(tokenizer)
     session = ScriptedSession(tokenizer, expert_script(tokenizer))
     loop = AgentLoop(session, renderer, EpisodeLimits(), deterministic=False)
     eps = episodes(renderer, 3)
-    eps[0].env = SlowEnv(eps[0].env, 1.5)
+    eps[0].env = held = HeldEnv(eps[0].env)
     for e in eps:
         loop.add(e)
-    finished, start = {}, time.monotonic()
+    finished = []
     while loop.live:
-        for e in loop.tick(params_for(renderer)):
-            finished[e.key] = time.monotonic() - start
+        finished += [e.key for e in loop.tick(params_for(renderer))]
+        if {"g/1", "g/2"} <= set(finished):
+            held.release.set()  # episode 0's tool answers only once the others have finished
         if loop.idle():
             loop.wait_tools(0.02)
-    assert finished["g/1"] < 1.0 and finished["g/2"] < 1.0 and finished["g/0"] >= 1.5
+    # the others finished while episode 0 was held in its tool (had the loop waited on that
+    # tool, nothing would have released it: its wait would have run out instead)
+    assert sorted(finished[:2]) == ["g/1", "g/2"] and finished[2:] == ["g/0"]
+    assert held.waits and all(held.waits), held.waits
     assert all(e.traj.status is RolloutStatus.COMPLETED for e in eps)
     # while episode 0 waited on its tool, the others decoded their second turn without it
     assert any("g/0" not in keys and "g/1" in keys for keys in session.steps)
