@@ -23,6 +23,8 @@ def rollout_policy(
     """The fastest rollout engine for `model`: K3Policy (cached, continuously batched) for the
     K3 policy, HFPolicy (generic KV-cached sampling) for any other causal LM. `exact` (K3 only):
     sessions whose logprobs equal the learner's bit for bit (policy/k3/engine/exact.py)."""
+    if exact and next(model.parameters()).device.type != "cpu":
+        raise ValueError("exact logprobs are a CPU mode (rollout.device: cpu)")
     if isinstance(model, K3ForCausalLM):
         return K3Policy(
             model,

@@ -74,7 +74,8 @@ class TrainerConfig(Section):
     exact_logprobs: bool = False
     """K3 policy on CPU: the rollout engine decodes every episode alone, one token per forward
     (policy/k3/engine/exact.py), and the learner scores each sequence the same way, so the
-    rollout's logprobs equal the learner's bit for bit, with or without routing replay
+    rollout's logprobs equal the learner's bit for bit for the tokens of its current version,
+    with or without routing replay, sync or async (a push rebuilds live caches)
     (learner/logprob_delta_max 0; the loss takes its values from that pass, its gradient from
     the usual forward). Costs 6.8x in decode and 7.3x in the learner step on k3-tiny
     (docs/benchmarks.md). Refused for other policies, cuda devices, world_size > 1, autocast."""

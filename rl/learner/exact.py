@@ -31,21 +31,25 @@ def exact_scorer(model) -> K3Policy:
 
 def exact_values(
     scorer: K3Policy,
-    ids_NT: torch.Tensor,
-    attention_NT: torch.Tensor,
-    loss_mask_NT: torch.Tensor,
+    mb,
     logp_NT: torch.Tensor,
+    version: int,
     temperature: float,
 ) -> torch.Tensor:
-    """[N, T-1]: the exact logprobs at the loss positions (the learner's elsewhere), carrying
-    `logp_NT`'s gradient (straight through: exact + logp - logp.detach())."""
+    """[N, T-1]: at the loss positions whose token the current weights sampled (versions_NT ==
+    `version`; all when unknown), the exact logprobs; the learner's own elsewhere (older
+    tokens: the usual forward, replayed where routing replay is on). Carries `logp_NT`'s
+    gradient (straight through: exact + logp - logp.detach()). `mb`: a TrainBatch."""
+    chosen_NT = mb.loss_mask_NT > 0
+    if mb.versions_NT is not None:
+        chosen_NT = chosen_NT & (mb.versions_NT == version)
     exact_NT = logp_NT.detach().clone()
-    for row in range(ids_NT.shape[0]):
-        length = int(attention_NT[row].sum())  # right-padded (rl/learner/batch.py pack)
-        targets = loss_mask_NT[row, : length - 1].nonzero()[:, 0].tolist()
+    for row in range(mb.input_ids_NT.shape[0]):
+        targets = chosen_NT[row].nonzero()[:, 0].tolist()
         if not targets:
             continue
-        tokens = ids_NT[row, :length].tolist()
+        length = int(mb.attention_mask_NT[row].sum())  # right-padded (rl/learner/batch.py)
+        tokens = mb.input_ids_NT[row, :length].tolist()
         values_T = exact_logprobs(scorer, tokens, targets, temperature)
         exact_NT[row, targets] = values_T[targets].to(exact_NT.dtype)
     return exact_NT + (logp_NT - logp_NT.detach())

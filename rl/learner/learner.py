@@ -280,6 +280,8 @@ class Learner:
                 )
             if not scale:  # an empty piece's stand-in row belongs to another rank
                 continue
+            if need_logp and self.exact is not None:  # exact mode: the proximal values too
+                logp = exact_values(self.exact, mb, logp, self.version, self.temperature)
             if need_logp:
                 prep.learner_logp_NT[index, :width] = logp
             if self.algo.critic:
@@ -329,7 +331,7 @@ class Learner:
 
     def _measure_routing(self, mb: TrainBatch) -> bool:
         """Compare the learner's own routing with the rollout's record, replayed or not (the
-        model reports the router's own choice: policy/k3/modeling.py routed_experts)."""
+        model reports the router's own choice: policy/k3/modeling.py router_choice)."""
         return mb.routes_NTMK is not None
 
     def _values(self, hidden_NTD: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
@@ -379,8 +381,7 @@ class Learner:
                     return_routing=self._measure_routing(mb) and first_pass,
                 )
             if self.exact is not None:  # the rollout engine's values, this forward's gradient
-                logp = exact_values(self.exact, mb.input_ids_NT, mb.attention_mask_NT,
-                                    mb.loss_mask_NT, logp, self.temperature)  # fmt: skip
+                logp = exact_values(self.exact, mb, logp, self.version, self.temperature)
             if routed is not None:
                 _add(sums, _routing_mismatch(routed, mb, scale))
             if fresh and self.cfg.off_policy != "decoupled":  # decoupled: measured in _train

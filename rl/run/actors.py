@@ -161,7 +161,7 @@ class WorkerHost:
         return self.receiver.receive_broadcast(manifest)
 
     def catch_up(self) -> int:
-        """Fetch the latest published weights from the run's board (rl/run/weights.py
+        """Fetch the latest published weights from the run's board (rl/run/fleet.py
         WeightBoard) when they are newer than ours: a started or restarted worker does not wait
         for the next push. Returns the version now held."""
         board = find_board(self.run_id)

@@ -30,6 +30,8 @@ def resolve_devices(cfg: RunConfig, gpus: int, where: str = "this machine") -> t
     GPUs in all; ConfigError naming the key when an explicit cuda needs more than there are."""
     t, r = cfg.trainer, cfg.rollout
     ranks, workers = t.world_size, r.num_workers
+    if t.exact_logprobs:  # a CPU mode (its config check refuses an explicit cuda): auto is cpu
+        gpus = 0
     if t.device == "cuda" and gpus < ranks:
         raise ConfigError(
             "trainer.device",

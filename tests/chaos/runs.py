@@ -41,7 +41,7 @@ def replayed_everywhere(records: list[dict]) -> dict[int, float]:
     is not 1: each trajectory's routes must cover every sampled token, across every save,
     restore and restart (empty when all are)."""
     return {r["step"]: r.get("moe/replayed_share") for r in records
-            if r.get("moe/replayed_share") != 1.0}  # fmt: skip
+            if "learner/trajectories" in r and r.get("moe/replayed_share") != 1.0}  # fmt: skip
 
 
 def start(args: list[str], env: dict | None = None) -> subprocess.Popen:

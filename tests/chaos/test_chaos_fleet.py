@@ -74,6 +74,12 @@ def kill_workers_after_pushes(
             titles[board_pid] = command_line(board_pid)
             killed.append(board_pid)
         sigkill(killed)
+        if board:  # Ray restarts the board (max_restarts): a new process takes its name
+
+            def new_board() -> list[int] | None:
+                return [p for p in actor_pids(proc.pid, "WeightBoard") if p != board_pid] or None
+
+            wait_for(new_board, proc, "a restarted weight board")
         try:
             stdout, _ = proc.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -150,3 +150,11 @@ def test_batch_moves_to_a_device_whole():
 def test_cpu_cache_budget_is_unchanged():
     cfg = config("rollout.cache_budget_mb=64")
     assert cache_budget(cfg, torch.device("cpu")) == cache_budget(cfg) == 64 * 2**20
+
+
+def test_exact_logprobs_keep_auto_devices_on_the_cpu():
+    """trainer.exact_logprobs is a CPU mode: on a machine with GPUs, auto resolves to cpu."""
+    exact = ["trainer.exact_logprobs=true", "policy.model_type=agentrl_k3",
+             "policy.config={preset: k3-debug}"]  # fmt: skip
+    assert resolve_devices(load_config(None, exact), gpus=4) == ("cpu", "cpu")
+    assert resolve_devices(load_config(None, exact[1:]), gpus=4) == ("cuda", "cuda")

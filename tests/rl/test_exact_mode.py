@@ -47,18 +47,22 @@ def exact_rollouts(model, n=4, seed=0) -> TrajectoryGroup:
     return TrajectoryGroup(group_id="1-0", task_id="t", trajectories=trajs)
 
 
-def learner(model, group, *, exact: bool, replay: bool) -> Learner:
+def learner(model, group, *, exact: bool, replay: bool, off_policy: str = "none") -> Learner:
     cfg = TrainerConfig(group_size=4, batch_size=4, micro_batch_size=2, lr=1e-3,
-                        routing_replay=replay, exact_logprobs=exact)  # fmt: skip
+                        routing_replay=replay, exact_logprobs=exact,
+                        off_policy=off_policy)  # fmt: skip
     return Learner(cfg, model=model, source=ListSource([group]), pad_token_id=0, temperature=1.0)
 
 
+@pytest.mark.parametrize("off_policy", ["none", "decoupled"])
 @pytest.mark.parametrize("replay", [False, True])
-def test_exact_mode_gives_the_recorded_logprobs_bit_for_bit(replay):
+def test_exact_mode_gives_the_recorded_logprobs_bit_for_bit(replay, off_policy):
+    """decoupled: the proximal pass is exact too (its importance weights exactly 1)."""
     model = make_model(torch.float32)
     group = exact_rollouts(model)
-    exact = learner(copy.deepcopy(model), group, exact=True, replay=replay).step()
-    usual = learner(copy.deepcopy(model), group, exact=False, replay=replay).step()
+    kw = dict(replay=replay, off_policy=off_policy)
+    exact = learner(copy.deepcopy(model), group, exact=True, **kw).step()
+    usual = learner(copy.deepcopy(model), group, exact=False, **kw).step()
     assert exact["learner/logprob_delta_max"] == 0.0  # any mismatched bit fails
     assert 0.0 < usual["learner/logprob_delta_max"] < 1e-4  # the usual forward: close only
     assert exact["learner/clip_fraction"] == 0.0

@@ -151,8 +151,10 @@ def test_a_run_across_nodes_survives_losing_a_worker_node(cluster, tmp_path):
         placed = {name: a["Address"]["NodeID"] for name, a in workers.items()}
         assert learner["Address"]["NodeID"] == head
         boards = wait_for("weight board", lambda: actors(cluster, "WeightBoard"), proc, log)
-        (board,) = boards.values()  # on the learner's node: losing a worker node keeps it
-        assert board["Address"]["NodeID"] == head
+        (board,) = boards.values()  # asked for the learner's node (soft: Ray may put it
+        # elsewhere, as it did once on CI); on the lost node it is restarted, and the run goes on
+        on = "head" if board["Address"]["NodeID"] == head else "a worker node"
+        print(f"weight board on {on}")
         assert set(placed.values()) == set(nodes), f"not one worker per worker node: {placed}"
         (run_dir,) = tmp_path.glob("e2e-*")
         wait_for("step 2", lambda: train_steps(run_dir) >= 2, proc, log)

@@ -7,7 +7,8 @@ carried it, the rows decoded beside it and the holes other episodes left in the 
 (different shapes, so different reduction orders). Here none of that exists: every episode has
 its own one-row K3Cache, and every token goes through K3Policy.forward alone (one row, one
 token, the same fused or module path as the pooled session). A token's logits are then a
-function of the tokens before it and the weights only:
+function of the tokens before it and the weights only (after a weight change a live episode's
+cache is rebuilt with the new weights before it samples again):
 - ExactSession samples that way (a DecodeSession, opened for a K3Policy built with exact=True);
 - exact_logprobs scores a finished sequence the same way (the learner's values in exact mode).
 Both take the logprob with `scaled_logprob`, the one formula of policy.sampling (log_softmax of
@@ -18,7 +19,7 @@ docs/benchmarks.md, `benchmarks/exact_logprobs.py`).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -38,7 +39,8 @@ def scaled_logprob(logits_1V: Tensor, token: int, temperature: float) -> float:
 @dataclass(slots=True)
 class _Row:
     cache: K3Cache
-    fed: int = 0
+    version: int  # the weights that built the cache
+    tokens: list[int] = field(default_factory=list)  # fed so far
     pending: int | None = None  # sampled, not fed yet
     logits_1V: Tensor | None = None  # next-token logits after the last fed token
 
@@ -52,7 +54,7 @@ def _one(policy: K3Policy, row: _Row, token: int, plan) -> list | None:
     """Feed one token to one row -> its route [M][Kx] (None when not recording)."""
     ids_11 = torch.tensor([[token]], dtype=torch.long, device=policy.device)
     row.logits_1V, routed_11MK = policy.forward(row.cache, ids_11, None, plan)
-    row.fed += 1
+    row.tokens.append(token)
     return None if routed_11MK is None else routed_11MK[0, 0].to("cpu", torch.int32).tolist()
 
 
@@ -68,7 +70,8 @@ class ExactSession(PolicyBound):
         check_keys(keys, token_ids)
         plan, out = self._plan(), []
         for key, tokens in zip(keys, token_ids, strict=True):
-            row = self.rows.setdefault(key, _Row(_empty(self.policy)))
+            row = self.rows.setdefault(key, _Row(_empty(self.policy), self.policy.version))
+            self._refresh(row, plan)
             feed = ([] if row.pending is None else [row.pending]) + [int(t) for t in tokens]
             row.pending = None
             routes = [_one(self.policy, row, token, plan) for token in feed]
@@ -82,6 +85,7 @@ class ExactSession(PolicyBound):
         temperature = 1.0 if params.greedy else params.temperature
         for key in keys:
             row = self._row(key)
+            self._refresh(row, plan)
             routes = [] if row.pending is None else [_one(self.policy, row, row.pending, plan)]
             if row.logits_1V is None:
                 raise ValueError(f"key {key!r} has an empty context: add() its prompt first")
@@ -92,13 +96,24 @@ class ExactSession(PolicyBound):
             out.append(Sampled(token=token, logprob=logprob, routes=recorded))
         return out
 
+    def _refresh(self, row: _Row, plan) -> None:
+        """After a weight change, rebuild the row's cache with the new weights (one token per
+        forward, routes not recorded again: those of the old tokens stay as sampled), so that
+        what is sampled next depends on the current weights alone, as the learner scores it."""
+        if row.version == self.policy.version:
+            return
+        tokens, row.cache, row.tokens = row.tokens, _empty(self.policy), []
+        row.version, row.logits_1V = self.policy.version, None
+        for token in tokens:
+            _one(self.policy, row, token, plan)
+
     def drop(self, keys: list[Hashable]) -> None:
         for key in keys:
             self.rows.pop(key, None)
 
     def context_length(self, key: Hashable) -> int:
         row = self._row(key)
-        return row.fed + (row.pending is not None)
+        return len(row.tokens) + (row.pending is not None)
 
     def cache_bytes(self, key: Hashable) -> int:
         cache = self._row(key).cache
@@ -127,7 +142,7 @@ def exact_logprobs(
     """[len(token_ids) - 1] float32: at each position p in `targets`, the logprob of token
     p + 1 after token_ids[: p + 1], computed as ExactSession computed it when it sampled that
     token (0 elsewhere)."""
-    row, plan = _Row(_empty(policy)), policy.plan() if policy.fused else None
+    row, plan = _Row(_empty(policy), policy.version), policy.plan() if policy.fused else None
     wanted, out_T = set(targets), torch.zeros(len(token_ids) - 1)
     for p, token in enumerate(token_ids[:-1]):
         _one(policy, row, token, plan)

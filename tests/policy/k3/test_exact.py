@@ -4,6 +4,8 @@ module paths, whatever the prefill chunk, the rows decoded together and the epis
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -80,3 +82,33 @@ def test_the_pooled_session_is_close_but_not_exact():
         want = scored(K3Policy(model), tokens, positions)
         gaps += [abs(a - b) for a, b in zip(want, logprobs, strict=True)]
     assert max(gaps) < 1e-4 and max(gaps) > 0.0
+
+
+def test_a_weight_change_mid_episode_rebuilds_the_cache_so_later_tokens_stay_exact():
+    """An async push lands between two steps of live episodes: the tokens sampled after it
+    are scored exactly by the new weights over the whole sequence (the cache the old weights
+    built was rebuilt), the ones before it by the old weights."""
+    model = make_model(torch.float32)
+    policy = K3Policy(model, exact=True)
+    session = open_session(policy)
+    rng = np.random.default_rng(3)
+    keys = ["a", "b"]
+    tokens = {k: rng.integers(1, VOCAB, size=12).tolist() for k in keys}
+    session.add(keys, [list(tokens[k]) for k in keys])
+    before, after = {k: [] for k in keys}, {k: [] for k in keys}
+    for phase in (before, after):
+        if phase is after:
+            old = copy.deepcopy(model)
+            with torch.no_grad():  # the push: new weights in place, a new version
+                for param in model.parameters():
+                    param.add_(0.05 * torch.randn_like(param))
+            policy.version += 1
+        for _ in range(5):
+            for key, out in zip(keys, session.step(keys, PARAMS), strict=True):
+                phase[key].append((len(tokens[key]) - 1, out.logprob))
+                tokens[key].append(out.token)
+    for key in keys:
+        for weights, phase in ((old, before), (model, after)):
+            positions = [p for p, _ in phase[key]]
+            got = scored(K3Policy(weights), tokens[key][: positions[-1] + 2], positions)
+            assert got == [lp for _, lp in phase[key]], key
