@@ -69,11 +69,7 @@ def test_mismatch_is_zero_on_the_same_weights_and_seen_when_routing_drifts(repla
     group = rollouts(model)
     same = learner(copy.deepcopy(model), group, replay=replay).step()
     assert same["moe/routing_mismatch"] == 0.0
-    drifted = copy.deepcopy(model)
-    with torch.no_grad():
-        for layer in drifted.model.layers:
-            if layer.is_sparse:
-                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 1.0)
+    drifted = drift(model)
     assert learner(drifted, group, replay=replay).step()["moe/routing_mismatch"] > 0.2
 
 
@@ -83,11 +79,7 @@ def test_replay_reproduces_the_rollout_logprobs_after_a_bias_change(replay):
     the learner's ratio to the rollout stays exactly 1; without, it does not."""
     model = make_model(torch.float32)
     group = rollouts(model)
-    drifted = copy.deepcopy(model)
-    with torch.no_grad():
-        for layer in drifted.model.layers:
-            if layer.is_sparse:
-                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 1.0)
+    drifted = drift(model)
     run = learner(drifted, group, replay=replay)
     batch = pack([group], pad_token_id=0)
     logp, _, _, _ = run.trunk(
@@ -108,11 +100,7 @@ def test_replay_is_per_trajectory_when_some_lack_records():
     has = torch.tensor([bool(t.routed_experts) for t in group.trajectories])
     assert torch.equal(batch.routed_NT.any(-1), has)
     assert (batch.routes_NTMK[~has] == -1).all()
-    drifted = copy.deepcopy(model)
-    with torch.no_grad():
-        for layer in drifted.model.layers:
-            if layer.is_sparse:
-                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 1.0)
+    drifted = drift(model)
     run = learner(drifted, group, replay=True)
     logp, _, _, _ = run.trunk(
         batch.input_ids_NT, batch.attention_mask_NT, 1.0, replay_experts=run._replay(batch)
