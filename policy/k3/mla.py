@@ -152,6 +152,9 @@ class GatedMLA(nn.Module):
     ) -> Tensor:
         """Fast path: `attend_absorbed` (absorbed) or `attend_naive` by blocks (flash.py), with
         no [B, H, T, S] scores and no [B, T, S] mask; O(T + S) memory in forward and backward.
+        Short sequences without a cache and with padding on the right only (naive form,
+        B * H * T * S up to FUSED_MAX_SCORES: SFT and learner batches) go through
+        `fused_causal_attention` instead.
 
         Query i sits at position past + i; key_mask [B, S] False = padding. -> [B, T, H, Dv]
         (zero for a query that sees no key).
@@ -164,6 +167,9 @@ class GatedMLA(nn.Module):
             o_lat_BTHR = flash_attention(q_BTHL, latent_BSL, c_kv_BSR, **blocks)
             return torch.einsum("bthr,hvr->bthv", o_lat_BTHR, w_uv_HVR)
         k_BSHQ, v_BSHV = self.expand(latent_BSL)
+        if _fits_fused_causal(q_BTHQ, k_BSHQ, key_mask_BS, past):
+            o_BTHV = fused_causal_attention(q_BTHQ, k_BSHQ, v_BSHV, scale=self.scaling)
+            return o_BTHV * key_mask_BS[:, :, None, None].to(o_BTHV.dtype)  # padding queries: 0
         return flash_attention(q_BTHQ, k_BSHQ, v_BSHV, **blocks)
 
     def forward(
@@ -206,6 +212,35 @@ class GatedMLA(nn.Module):
             gate_BTHV = torch.sigmoid(self.g_proj(hidden_BTD)).unflatten(-1, (self.num_heads, -1))
             o_BTHV = o_BTHV * gate_BTHV
         return self.o_proj(o_BTHV.flatten(-2)), cache
+
+
+FUSED_MAX_SCORES = 1 << 24
+"""Largest B * H * T * S that `attend` hands to torch's fused attention (a few short sequences,
+such as an SFT or learner batch); above it the blockwise path keeps memory O(T + S)."""
+
+
+def _fits_fused_causal(q_BTHQ: Tensor, k_BSHQ: Tensor, key_mask_BS: Tensor, past: int) -> bool:
+    """Whether `attend` can use `fused_causal_attention`: no cache before these tokens, padding
+    on the right only (a causal query never reaches a key after it, so only padding queries see
+    padding keys, and their outputs are zeroed), and few enough scores that even an unfused
+    backend stays small."""
+    batch, length, heads, _ = q_BTHQ.shape
+    if past != 0 or k_BSHQ.shape[1] != length or batch * heads * length * length > FUSED_MAX_SCORES:
+        return False
+    return not bool((key_mask_BS[:, 1:] & ~key_mask_BS[:, :-1]).any())  # no pad before a token
+
+
+def fused_causal_attention(q_BTHQ: Tensor, k_BSHQ: Tensor, v_BSHV: Tensor, *, scale: float):
+    """Causal softmax(scale q . k) v with torch's scaled_dot_product_attention, in (at least)
+    float32, for T == S and no padding: the fast path of `attend` for short sequences (about 3x
+    the blockwise path's speed at T = 192 on a CPU). Same result as `attend_naive` (tested in
+    float64, outputs and gradients). -> [B, T, H, Dv] in q's dtype."""
+    dtype = torch.promote_types(q_BTHQ.dtype, torch.float32)
+    q_BHTQ, k_BHSQ, v_BHSV = (x.to(dtype).transpose(1, 2) for x in (q_BTHQ, k_BSHQ, v_BSHV))
+    o_BHTV = torch.nn.functional.scaled_dot_product_attention(
+        q_BHTQ, k_BHSQ, v_BHSV, is_causal=True, scale=scale
+    )
+    return o_BHTV.transpose(1, 2).to(q_BTHQ.dtype)
 
 
 @full_precision

@@ -31,6 +31,7 @@ from rl.learner.exact import exact_scorer, exact_values
 from rl.learner.group_ids import GroupIds
 from rl.learner.ledger import group_ids, new_entry, note, sort_groups
 from rl.learner.losses import LossStats, Normalizers, policy_loss, value_loss
+from rl.learner.optim import adamw
 from rl.learner.stats import (
     average,
     decoupled_weights,
@@ -99,7 +100,7 @@ class Learner:
             params += list(self.value_head.parameters())
         self.router_stats = _router_stats(self.trunk)
         self.exact = exact_scorer(model) if cfg.exact_logprobs else None  # rl/learner/exact.py
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # optim.py
         self.version, self.skipped_steps, self.dropped_groups = 0, 0, 0
         self.nonfinite_in_a_row = 0
         """Steps in a row whose every optimizer step had a NaN/Inf gradient (not checkpointed)."""

@@ -15,11 +15,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from policy.k3 import K3Cache
+from policy.k3 import mla as mla_module
 from policy.k3.engine import decode as k3_decode
 from policy.k3.engine.decode import forward_tokens
 from policy.k3.engine.plan import build_plan
 from policy.k3.flash import flash_attention
-from policy.k3.mla import _masked_softmax
+from policy.k3.mla import _masked_softmax, fused_causal_attention
 from tests.policy.k3.test_engine import make_model
 from tests.policy.k3.test_mla import hidden, make_mla
 
@@ -106,6 +107,46 @@ def test_gated_mla_blockwise_equals_dense_with_parameter_gradients(absorbed, q_l
     (ref, ref_grads), (out, grads) = results
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
     assert (out[1, :6] == 0).all()
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+
+
+def test_fused_causal_attention_equals_dense_outputs_and_gradients():
+    """The short-sequence fast path (torch's fused attention; Q = 7 and V = 5 differ)."""
+    (q, k, v), _ = random_inputs(shared=False, past=0)
+    everything = torch.ones(2, k.shape[1], dtype=torch.bool)
+    out = fused_causal_attention(q, k, v, scale=0.3)
+    ref = dense_attention(q, k, v, scale=0.3, offset=0, key_mask_BS=everything)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    grads = torch.autograd.grad((out * weights).sum(), [q, k, v])
+    ref_grads = torch.autograd.grad((ref * weights).sum(), [q, k, v])
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("limit", ["fits", "right padding", "too many scores", "left padding"])
+def test_gated_mla_takes_the_fused_path_only_for_short_right_padded_sequences(monkeypatch, limit):
+    """GatedMLA.forward (naive form, no cache) == the dense reference, parameter gradients too,
+    through the fused path when B * H * T * S <= FUSED_MAX_SCORES and no token follows a pad."""
+    calls = []
+    real = mla_module.fused_causal_attention
+    monkeypatch.setattr(mla_module, "fused_causal_attention",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+    if limit == "too many scores":
+        monkeypatch.setattr(mla_module, "FUSED_MAX_SCORES", 2 * 3 * 19 * 19 - 1)
+    mla, x = make_mla(seed=5), hidden(2, 19, 32, seed=6).requires_grad_()
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    mask[1, :4] = limit != "left padding"
+    mask[0, 13:] = limit != "right padding"
+    results = []
+    for dense in (True, False):
+        out, _ = mla(x, mask=mask, absorbed=False, dense=dense)
+        weights = hidden(*out.shape, seed=7)
+        results.append((out, torch.autograd.grad((out * weights).sum(), [x, *mla.parameters()])))
+    assert len(calls) == (1 if limit in ("fits", "right padding") else 0)
+    (ref, ref_grads), (out, grads) = results
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
 
