@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -66,11 +67,18 @@ def make_batch(model, args):
 
 
 class Source:
+    """The same groups on every read, under fresh entry and group ids: the learner skips a
+    group id it has trained already (rl/learner/ledger.py), so repeats need new ones."""
+
     def __init__(self, groups):
-        self.groups = groups
+        self.groups, self.reads = groups, 0
 
     def read(self, count, *, block_ms):
-        return [(f"{i}-0", g) for i, g in enumerate(self.groups)]
+        self.reads += 1
+        ids = [f"{self.reads}-{i}" for i in range(len(self.groups))]
+        return [
+            (i, dataclasses.replace(g, group_id=i)) for i, g in zip(ids, self.groups, strict=True)
+        ]
 
     def ack(self, ids):
         return len(ids)
