@@ -351,3 +351,23 @@ def test_decayed_grams_factored_and_exact_paths_equal_the_definition(sub):
     for factored in (True, False):
         got = kda.decayed_grams(a, b, gam, sub, factored=factored)
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0, msg=f"factored={factored}")
+
+
+@pytest.mark.parametrize(("mildness", "want_sub"), [(0.05, 64), (1.0, 8)])
+def test_row_blocks_as_large_as_the_decay_allows_and_equal_to_recurrent(
+    monkeypatch, mildness, want_sub
+):
+    """`_sub_block`: a mild decay (a 64-token chunk decays by less than e^-40) takes the whole
+    chunk as one block of the Gram, the strong test gate 8-token blocks; both equal the loop."""
+    subs = []
+    grams = kda.decayed_grams
+    monkeypatch.setattr(kda, "decayed_grams", lambda *a, **kw: subs.append(a[3]) or grams(*a, **kw))
+    q, k, v, g, beta, h0 = make_inputs(T=150, seed=11)
+    inputs = (q, k, v, g * mildness, beta, h0)
+    o_ref, s_ref, grads_ref = run_with_grads(kda_recurrent, inputs)
+    o, s, grads = run_with_grads(kda_chunked, inputs, chunk_size=64)
+    assert subs == [want_sub]
+    torch.testing.assert_close(o, o_ref, atol=1e-10, rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=1e-10, rtol=0)
+    for name, got, want in zip(("q", "k", "v", "g", "beta", "h0"), grads, grads_ref, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=f"grad {name}")
