@@ -46,24 +46,31 @@ def make_batch(model, args):
     prompts = torch.randint(3, 700, (args.batch, args.prompt), generator=gen)
     completions = torch.randint(3, 700, (args.batch, args.completion), generator=gen)
     rewards = (torch.rand(args.batch, generator=gen) > 0.5).float()
+    groups = trajectory_groups(model, prompts, completions, rewards, args.group)
+    return prompts, completions, rewards, groups
+
+
+def trajectory_groups(model, prompts, completions, rewards, group: int) -> list[TrajectoryGroup]:
+    """Groups of `group` one-turn trajectories (prompt, then the sampled completion with the
+    model's own logprobs, version 0); also used by benchmarks/train_speed.py."""
     with torch.no_grad():
         ids = torch.cat([prompts, completions], 1)
         logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
-    groups = []
-    for g in range(args.batch // args.group):
+    groups, prompt_len = [], prompts.shape[1]
+    for g in range(len(prompts) // group):
         trajs = []
-        for i in range(g * args.group, (g + 1) * args.group):
+        for i in range(g * group, (g + 1) * group):
             t = Trajectory(task_id=str(g), status=RolloutStatus.COMPLETED, reward=float(rewards[i]))
             t.append(prompts[i].tolist(), sampled=False)
             t.append(
                 completions[i].tolist(),
                 sampled=True,
-                logprobs=logp[i, args.prompt - 1 :].tolist(),
+                logprobs=logp[i, prompt_len - 1 :].tolist(),
                 version=0,
             )
             trajs.append(t)
         groups.append(TrajectoryGroup(group_id=f"1-{g}", task_id=str(g), trajectories=trajs))
-    return prompts, completions, rewards, groups
+    return groups
 
 
 class Source:

@@ -38,7 +38,6 @@ k3-tiny <= 1.3x) and writes every figure, the raw step times included, to `--out
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -52,14 +51,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.learner_speed import Source, trajectory_groups
 from policy.hf import build_model, load_tokenizer
 from policy.k3.configuration import K3Config, count_parameters
-from policy.logprobs import token_logprobs
 from rl.config.runfile import RunConfig, load_config
 from rl.run.build import prepare_policy
 from rl.sft.warm_start import _sft_args, expert_demonstrations, sft_examples
 from rollout.render import ChatRenderer
-from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP_STEPS = 2
@@ -200,46 +198,6 @@ def learner_tokens(args, vocab: int):
     return prompts, completions, rewards.view(-1)
 
 
-def learner_groups(model, tokens, args) -> list[TrajectoryGroup]:
-    prompts, completions, rewards = tokens
-    with torch.no_grad():
-        ids = torch.cat([prompts, completions], 1)
-        logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
-    groups = []
-    for g in range(args.batch // args.group):
-        trajs = []
-        for i in range(g * args.group, (g + 1) * args.group):
-            t = Trajectory(task_id=str(g), status=RolloutStatus.COMPLETED, reward=float(rewards[i]))
-            t.append(prompts[i].tolist(), sampled=False)
-            t.append(
-                completions[i].tolist(),
-                sampled=True,
-                logprobs=logp[i, args.prompt - 1 :].tolist(),
-                version=0,
-            )
-            trajs.append(t)
-        groups.append(TrajectoryGroup(group_id=f"0-{g}", task_id=str(g), trajectories=trajs))
-    return groups
-
-
-class Source:
-    """The same groups on every read, under fresh group ids (the learner never trains a group id
-    twice: a repeated id would be filtered as a duplicate)."""
-
-    def __init__(self, groups):
-        self.groups, self.reads = groups, 0
-
-    def read(self, count, *, block_ms):
-        self.reads += 1
-        return [
-            (f"{self.reads}-{i}", dataclasses.replace(g, group_id=f"{self.reads}-{i}"))
-            for i, g in enumerate(self.groups)
-        ]
-
-    def ack(self, ids):
-        return len(ids)
-
-
 def learner_runner(cfg: RunConfig, model, groups, pad_token_id: int, device: str):
     """A step function: one Learner.step on the batch (a fresh policy version each time), the
     learner built as rl/run/build.py build_learner builds it (one rank, no stream)."""
@@ -295,7 +253,7 @@ def measure_learner(args, cfg: RunConfig, specs, tokenizer) -> dict[str, dict]:
     steps, seconds = {}, {spec.name: [] for spec in specs}
     for spec in specs:
         model = new_model(spec, tokenizer).eval()
-        groups = learner_groups(model, tokens, args)
+        groups = trajectory_groups(model, *tokens, args.group)
         pad = tokenizer.pad_token_id
         steps[spec.name] = learner_runner(cfg, model, groups, pad, args.device)
     for repeat in range(args.repeats):

@@ -236,12 +236,11 @@ def decayed_grams(
     return A_BHNJPSJS.transpose(-5, -4).reshape(*a_BHNPCK.shape[:-1], size)
 
 
-def _sub_block(gam_BHNCK: Tensor, chunk: int) -> int:
-    """Row-block size for `decayed_grams`: the largest divisor of `chunk` among chunk, chunk/2,
-    ... (down to gcd(chunk, 8)) in which every block decays by no more than e^-FACTOR_RANGE, so
-    the one-matmul form holds with as few blocks as possible (at [16, 192], one 32-token block
-    takes ~0.75x the time of four 8-token ones); gcd(chunk, 8) when none does. A trained
-    k3-tiny's 32-token chunks decay by e^-22 to e^-34 in every KDA layer (the bound is e^-40)."""
+def _sub_block(gam_BHNCK: Tensor, chunk: int) -> tuple[int, bool | None]:
+    """(row-block size, factored) for `decayed_grams`: the largest divisor of `chunk` among
+    chunk, chunk/2, ... whose every block decays by no more than e^-FACTOR_RANGE (then factored
+    holds: one matmul for as few blocks as possible); else (gcd(chunk, 8), None: let it check).
+    A trained k3-tiny's 32-token chunks decay by e^-22 to e^-34 (one block, ~0.75x the time)."""
     smallest, sub = math.gcd(chunk, 8), chunk
     while sub > smallest:
         if chunk % sub == 0:
@@ -250,9 +249,9 @@ def _sub_block(gam_BHNCK: Tensor, chunk: int) -> int:
                 [torch.zeros_like(gam_BHNJSK[..., :1, 0, :]), gam_BHNJSK[..., :-1, -1, :]], -2
             )
             if bool((gam_BHNJSK[..., -1, :] - start_BHNJK).min() >= -FACTOR_RANGE):
-                return sub
+                return sub, True
         sub //= 2
-    return smallest
+    return smallest, None
 
 
 def _diagonal_blocks(a_BHNJPSK: Tensor, b_BHNJSK: Tensor, gam_BHNJSK: Tensor) -> Tensor:
@@ -313,8 +312,9 @@ def kda_chunked(
     gam_BHNCK = g_BHNCK.cumsum(dim=-2)
 
     qs_BHNCK = q_BHNCK * scale
-    sub = _sub_block(gam_BHNCK, chunk)
-    A_BHN2CC = decayed_grams(torch.stack([k_BHNCK, qs_BHNCK], -3), k_BHNCK, gam_BHNCK, sub)
+    sub, factored = _sub_block(gam_BHNCK, chunk)
+    kq_BHN2CK = torch.stack([k_BHNCK, qs_BHNCK], -3)
+    A_BHN2CC = decayed_grams(kq_BHN2CK, k_BHNCK, gam_BHNCK, sub, factored=factored)
     # diagonal of L is ignored by the unit-triangular solve: L is the strictly lower part
     L_BHNCC, Aqk_BHNCC = beta_BHNC[..., None] * A_BHN2CC[..., 0, :, :], A_BHN2CC[..., 1, :, :]
     decay_BHNCK = _decay_exp(gam_BHNCK)  # from the chunk start to each token
@@ -402,9 +402,7 @@ class KimiDeltaAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
-        self.chunk_size = (
-            chunk_size  # of the chunked (training / prefill) form; 32 is fastest on CPU
-        )
+        self.chunk_size = chunk_size  # of the chunked (training / prefill) form; 32: CPU's fastest
         self.num_v_heads = num_v_heads or num_heads
         if self.num_v_heads % num_heads:
             raise ValueError(f"num_v_heads={self.num_v_heads} is not a multiple of {num_heads}")
@@ -481,21 +479,12 @@ class KimiDeltaAttention(nn.Module):
         beta_BTH = torch.sigmoid(b_BTH.to(torch.promote_types(b_BTH.dtype, torch.float32)))
         if use_chunked is None:
             use_chunked = hidden_BTD.shape[1] > 1
-        kda = (
-            functools.partial(kda_chunked, chunk_size=self.chunk_size)
-            if use_chunked
-            else kda_recurrent
-        )
-        o_BTHV, state = kda(
-            q_BTHK,
-            k_BTHK,
-            v_BTHV,
-            self.decay(hidden_BTD),
-            beta_BTH,
-            scale=self.head_dim**-0.5,
-            initial_state=_get(cache, "state"),
-            mask=mask,
-        )
+        kda = kda_recurrent
+        if use_chunked:
+            kda = functools.partial(kda_chunked, chunk_size=self.chunk_size)
+        g_BTHK, state = self.decay(hidden_BTD), _get(cache, "state")
+        o_BTHV, state = kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=self.head_dim**-0.5,
+                            initial_state=state, mask=mask)  # fmt: skip
         o_BTHV = self.o_norm(o_BTHV, self.output_gate(hidden_BTD))
         out_BTD = self.o_proj(o_BTHV.flatten(-2).to(hidden_BTD.dtype))
         return out_BTD, KDACache(conv_q, conv_k, conv_v, state)

@@ -215,8 +215,9 @@ class GatedMLA(nn.Module):
 
 
 FUSED_MAX_SCORES = 1 << 24
-"""Largest B * H * T * S that `attend` hands to torch's fused attention (a few short sequences,
-such as an SFT or learner batch); above it the blockwise path keeps memory O(T + S)."""
+"""Largest B * H * T * S that `attend` hands to torch's attention (a few short sequences, such
+as an SFT or learner batch: at most 64 MiB of float32 scores should torch take its math path);
+above it the blockwise path keeps memory O(T + S)."""
 
 
 def _fits_fused_causal(q_BTHQ: Tensor, k_BSHQ: Tensor, key_mask_BS: Tensor, past: int) -> bool:
@@ -230,11 +231,15 @@ def _fits_fused_causal(q_BTHQ: Tensor, k_BSHQ: Tensor, key_mask_BS: Tensor, past
     return not bool((key_mask_BS[:, 1:] & ~key_mask_BS[:, :-1]).any())  # no pad before a token
 
 
+@full_precision
 def fused_causal_attention(q_BTHQ: Tensor, k_BSHQ: Tensor, v_BSHV: Tensor, *, scale: float):
-    """Causal softmax(scale q . k) v with torch's scaled_dot_product_attention, in (at least)
-    float32, for T == S and no padding: the fast path of `attend` for short sequences (about 3x
-    the blockwise path's speed at T = 192 on a CPU). Same result as `attend_naive` (tested in
-    float64, outputs and gradients). -> [B, T, H, Dv] in q's dtype."""
+    """Causal softmax(scale q . k) v through torch's scaled_dot_product_attention, in (at least)
+    float32 (autocast off), for T == S: the fast path of `attend` for short sequences. On a CPU
+    torch takes its flash kernel when the q/k and v widths are equal (k3-tiny: 31 -> 16 ms for
+    the MLA layer's forward + backward at [16, 192]) and its math path (a [B, H, T, S] score
+    tensor, hence FUSED_MAX_SCORES) otherwise. Every query sees every key up to its own
+    position: the caller zeroes padding queries. Same result as `attend_naive` (tested in
+    float64 and float32, outputs and gradients). -> [B, T, H, Dv] in q's dtype."""
     dtype = torch.promote_types(q_BTHQ.dtype, torch.float32)
     q_BHTQ, k_BHSQ, v_BHSV = (x.to(dtype).transpose(1, 2) for x in (q_BTHQ, k_BSHQ, v_BSHV))
     o_BHTV = torch.nn.functional.scaled_dot_product_attention(

@@ -198,10 +198,22 @@ def _unflatten_optimizer(optim_sd: dict, tensors: dict, saved: dict) -> None:
             if f"optim.{fqn}.{key}" in tensors:
                 entry[key] = tensors[f"optim.{fqn}.{key}"]
         entry.update(saved["state"].get(fqn, {}))
+    live = optim_sd.get("param_groups", [])
     optim_sd["param_groups"] = [  # JSON made AdamW's betas tuple a list
         {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in group.items()}
-        for group in saved["param_groups"]
+        | _implementation(live[i] if i < len(live) else {})
+        for i, group in enumerate(saved["param_groups"])
     ]
+
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""How this learner's optimizer runs (rl/learner/optim.py: fused AdamW for plain tensors, the
+default for sharded ones), kept over what a checkpoint saved: a checkpoint written by another
+world size or agentrl version must not switch the kernel."""
+
+
+def _implementation(live_group: dict) -> dict:
+    return {k: live_group[k] for k in IMPLEMENTATION_KEYS if k in live_group}
 
 
 def _read_meta(learner, directory: Path) -> dict:

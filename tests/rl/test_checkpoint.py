@@ -71,6 +71,27 @@ def test_trained_ids_load_from_the_compact_form_and_from_an_old_plain_list(tiny_
     assert old.trained == one.trained and "101#1" in old.trained and "101#2" not in old.trained
 
 
+def test_a_resume_keeps_the_loading_learners_optimizer_kernel(tiny_model, tmp_path):
+    """A checkpoint of a looped AdamW (an older agentrl; sharded ranks) loads into a one-rank
+    learner without switching its fused kernel off, and the weights still resume exactly."""
+    groups = batches(tiny_model, 6)
+    one = learner(copy.deepcopy(tiny_model), groups[:4])
+    assert one.optimizer.param_groups[0]["fused"] is True
+    one.step(), one.step()
+    tmp = ckpt.staging_dir(tmp_path, 2)
+    one.save(tmp)
+    meta = ckpt.read_json(tmp / "learner.json")
+    for group in meta["optimizer"]["param_groups"]:
+        group["fused"], group["foreach"] = None, None  # what the looped default saves
+    ckpt.write_json(tmp / "learner.json", meta)
+    again = learner(copy.deepcopy(tiny_model), groups[4:])
+    again.load(tmp)
+    assert again.optimizer.param_groups[0]["fused"] is True
+    one.source, resumed = ListSource(groups[4:]), again
+    one.step(), resumed.step()
+    assert checksum(export_weights(resumed.model)) == checksum(export_weights(one.model))
+
+
 def test_incomplete_and_corrupt_checkpoints_are_refused(tiny_model, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint"):
         ckpt.latest(tmp_path)

@@ -1,4 +1,4 @@
-"""The learner's AdamW is torch's fused kernel for plain tensors, with the looped update's result."""
+"""The learner's AdamW: torch's fused kernel for plain tensors, the looped update's result."""
 
 from __future__ import annotations
 

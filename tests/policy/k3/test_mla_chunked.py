@@ -151,6 +151,25 @@ def test_gated_mla_takes_the_fused_path_only_for_short_right_padded_sequences(mo
         torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
 
 
+def test_fused_causal_attention_float32_equal_widths_and_under_autocast():
+    """Equal q/k and v widths (k3-tiny's: torch's CPU flash kernel, not its math path) in
+    float32 against the blockwise path; under bf16 autocast it still computes in float32."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, 40, 2, 16, generator=gen).requires_grad_() for _ in range(3))
+    weights = torch.randn(3, 40, 2, 16, generator=gen)
+    out = fused_causal_attention(q, k, v, scale=0.25)
+    ref = flash_attention(q, k, v, scale=0.25, block_q=8, block_k=16)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad((out * weights).sum(), [q, k, v])
+    ref_grads = torch.autograd.grad((ref * weights).sum(), [q, k, v])
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = fused_causal_attention(q, k, v, scale=0.25)
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, out.detach(), atol=1e-6, rtol=1e-6)
+
+
 def test_blockwise_naive_equals_blockwise_absorbed():
     mla = make_mla(seed=8)
     mla.block_q, mla.block_k = 3, 5
