@@ -29,7 +29,6 @@ import weakref
 
 import torch
 
-import policy.k3.mla as mla_module
 from policy.k3.attn_res import attn_res
 from policy.k3.cache import K3Cache
 from policy.k3.configuration import K3Config, count_parameters
@@ -224,15 +223,15 @@ def _layer_bytes(model: K3ForCausalLM, tokens: int) -> dict[str, int]:
         handles.append(layer.register_forward_hook(functools.partial(_set_where, meter, "other")))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, config.vocab_size, (1, tokens), generator=gen)
-    fused = mla_module.FUSED_MAX_SCORES
-    mla_module.FUSED_MAX_SCORES = 0
+    for layer in model.model.layers:
+        if not layer.is_kda:
+            layer.self_attn.fused_max_scores = 0  # the blockwise path, as a later segment runs
     try:
         with meter:
             out = model.model(ids)
         totals = dict(meter.by)
         del out
     finally:
-        mla_module.FUSED_MAX_SCORES = fused
         for handle in handles:
             handle.remove()
     return totals

@@ -213,11 +213,9 @@ def decayed_grams(
     size, num_ops, blocks = b_BHNCK.shape[-2], a_BHNPCK.shape[-3], b_BHNCK.shape[-2] // sub
     a_BHNJPSK = a_BHNPCK.unflatten(-2, (blocks, sub)).transpose(-4, -3)
     gam_BHNJSK = gam_BHNCK.unflatten(-2, (blocks, sub))
-    ref_BHNJK = torch.cat(
-        [torch.zeros_like(gam_BHNCK[..., :1, :]), gam_BHNJSK[..., :-1, -1, :]], -2
-    )
+    ref_BHNJK = _block_starts(gam_BHNJSK)
     if factored is None:
-        factored = bool((gam_BHNJSK[..., -1, :] - ref_BHNJK).min() >= -FACTOR_RANGE)
+        factored = _blocks_factor(gam_BHNJSK, ref_BHNJK)
     left_BHNJPSK = a_BHNJPSK * _decay_exp(gam_BHNJSK - ref_BHNJK[..., None, :])[..., None, :, :]
     cols_C = torch.arange(size, device=b_BHNCK.device)
     ends_J = torch.arange(blocks, device=cols_C.device) * sub + (sub if factored else 0)
@@ -236,19 +234,25 @@ def decayed_grams(
     return A_BHNJPSJS.transpose(-5, -4).reshape(*a_BHNPCK.shape[:-1], size)
 
 
+def _block_starts(gam_BHNJSK: Tensor) -> Tensor:
+    """The cumulative log decay just before each row block (0 for the first): [B, H, N, J, K]."""
+    return torch.cat([torch.zeros_like(gam_BHNJSK[..., :1, 0, :]), gam_BHNJSK[..., :-1, -1, :]], -2)
+
+
+def _blocks_factor(gam_BHNJSK: Tensor, start_BHNJK: Tensor) -> bool:
+    """Whether no row block decays by more than e^-FACTOR_RANGE (the one-matmul form holds)."""
+    return bool((gam_BHNJSK[..., -1, :] - start_BHNJK).min() >= -FACTOR_RANGE)
+
+
 def _sub_block(gam_BHNCK: Tensor, chunk: int) -> tuple[int, bool | None]:
-    """(row-block size, factored) for `decayed_grams`: the largest divisor of `chunk` among
-    chunk, chunk/2, ... whose every block decays by no more than e^-FACTOR_RANGE (then factored
-    holds: one matmul for as few blocks as possible); else (gcd(chunk, 8), None: let it check).
-    A trained k3-tiny's 32-token chunks decay by e^-22 to e^-34 (one block, ~0.75x the time)."""
+    """(row-block size, factored) for `decayed_grams`: the largest of chunk, chunk/2, ... that
+    divides `chunk` and `_blocks_factor` (a trained k3-tiny's 32-token chunks decay by e^-22 to
+    e^-34: one block, ~0.75x the time); else (gcd(chunk, 8), None: decayed_grams checks)."""
     smallest, sub = math.gcd(chunk, 8), chunk
     while sub > smallest:
         if chunk % sub == 0:
             gam_BHNJSK = gam_BHNCK.unflatten(-2, (chunk // sub, sub))
-            start_BHNJK = torch.cat(
-                [torch.zeros_like(gam_BHNJSK[..., :1, 0, :]), gam_BHNJSK[..., :-1, -1, :]], -2
-            )
-            if bool((gam_BHNJSK[..., -1, :] - start_BHNJK).min() >= -FACTOR_RANGE):
+            if _blocks_factor(gam_BHNJSK, _block_starts(gam_BHNJSK)):
                 return sub, True
         sub //= 2
     return smallest, None

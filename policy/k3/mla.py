@@ -96,6 +96,7 @@ class GatedMLA(nn.Module):
             self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
         self.block_q, self.block_k = BLOCK_Q, BLOCK_K  # blocks of `attend` (flash.py)
+        self.fused_max_scores = FUSED_MAX_SCORES  # `attend`'s limit for torch's attention
 
     def query(self, x_BTD: Tensor) -> Tensor:
         """Per-head queries [B, T, H, Q] (no rotation)."""
@@ -167,7 +168,7 @@ class GatedMLA(nn.Module):
             o_lat_BTHR = flash_attention(q_BTHL, latent_BSL, c_kv_BSR, **blocks)
             return torch.einsum("bthr,hvr->bthv", o_lat_BTHR, w_uv_HVR)
         k_BSHQ, v_BSHV = self.expand(latent_BSL)
-        if _fits_fused_causal(q_BTHQ, k_BSHQ, key_mask_BS, past):
+        if _fits_fused_causal(q_BTHQ, k_BSHQ, key_mask_BS, past, self.fused_max_scores):
             o_BTHV = fused_causal_attention(q_BTHQ, k_BSHQ, v_BSHV, scale=self.scaling)
             return o_BTHV * key_mask_BS[:, :, None, None].to(o_BTHV.dtype)  # padding queries: 0
         return flash_attention(q_BTHQ, k_BSHQ, v_BSHV, **blocks)
@@ -220,13 +221,15 @@ as an SFT or learner batch: at most 64 MiB of float32 scores should torch take i
 above it the blockwise path keeps memory O(T + S)."""
 
 
-def _fits_fused_causal(q_BTHQ: Tensor, k_BSHQ: Tensor, key_mask_BS: Tensor, past: int) -> bool:
+def _fits_fused_causal(
+    q_BTHQ: Tensor, k_BSHQ: Tensor, key_mask_BS: Tensor, past: int, max_scores: int
+) -> bool:
     """Whether `attend` can use `fused_causal_attention`: no cache before these tokens, padding
     on the right only (a causal query never reaches a key after it, so only padding queries see
     padding keys, and their outputs are zeroed), and few enough scores that even an unfused
     backend stays small."""
     batch, length, heads, _ = q_BTHQ.shape
-    if past != 0 or k_BSHQ.shape[1] != length or batch * heads * length * length > FUSED_MAX_SCORES:
+    if past != 0 or k_BSHQ.shape[1] != length or batch * heads * length * length > max_scores:
         return False
     return not bool((key_mask_BS[:, 1:] & ~key_mask_BS[:, :-1]).any())  # no pad before a token
 
