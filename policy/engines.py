@@ -19,10 +19,12 @@ def rollout_policy(
     max_batch: int = 128,
     record_routing: bool = False,
     exact: bool = False,
+    paged: bool = True,
 ):
     """The fastest rollout engine for `model`: K3Policy (cached, continuously batched) for the
     K3 policy, HFPolicy (generic KV-cached sampling) for any other causal LM. `exact` (K3 only):
-    sessions whose logprobs equal the learner's bit for bit (policy/k3/engine/exact.py)."""
+    sessions whose logprobs equal the learner's bit for bit (policy/k3/engine/exact.py); `paged`
+    (K3 only): sessions keep MLA latents in pages (policy/k3/paged.py)."""
     if exact and next(model.parameters()).device.type != "cpu":
         raise ValueError("exact logprobs are a CPU mode (rollout.device: cpu)")
     if isinstance(model, K3ForCausalLM):
@@ -33,6 +35,7 @@ def rollout_policy(
             max_batch=max_batch,
             record_routing=record_routing,
             exact=exact,
+            paged=paged,
         )
     if exact:
         raise ValueError("exact logprobs need the K3 policy (policy.model_type: agentrl_k3)")

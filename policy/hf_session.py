@@ -111,6 +111,10 @@ class HFSession(PolicyBound):
         item = torch.finfo(dtype).bits // 8
         return config.num_hidden_layers * 2 * heads * head_dim * item * tokens
 
+    def reserve_for(self, tokens: int) -> int:
+        """Twice bytes_for: a cache grows by doubling its capacity, and copies as it grows."""
+        return 2 * self.bytes_for(tokens)
+
     def cache_bytes(self, key: Hashable) -> int:
         """Bytes of key's cached keys and values (K3Cache: KDA state + conv + MLA slots)."""
         cache = self._context(key).cache

@@ -93,7 +93,12 @@ class DecodeSession(Protocol):
         ...
 
     def bytes_for(self, tokens: int) -> int:
-        """Cache bytes one episode of `tokens` tokens needs (the admission model)."""
+        """Cache bytes one episode of `tokens` tokens holds."""
+        ...
+
+    def reserve_for(self, tokens: int) -> int:
+        """Cache bytes to set aside for an episode that may grow to `tokens` tokens: what it
+        then holds plus the cache's own slack as it grows (the admission model)."""
         ...
 
 

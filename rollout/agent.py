@@ -53,6 +53,7 @@ class Session(Protocol):
     def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[list | None]: ...
     def step(self, keys: list[Hashable], params: SamplingParams) -> list[Sampled]: ...
     def drop(self, keys: list[Hashable]) -> None: ...
+    def reserve_for(self, tokens: int) -> int: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -131,9 +132,10 @@ class AgentLoop:
         """Tokens sampled by this loop (partial rollouts count them against a budget)."""
 
     def episode_reserve(self) -> int:
-        """Cache bytes reserved per live episode: twice what one of `limits.max_seq_len` tokens
-        holds (a cache grows by doubling its capacity, and copies while it grows)."""
-        return 2 * self.session.bytes_for(self.limits.max_seq_len)
+        """Cache bytes reserved per live episode: what the session sets aside for one that may
+        reach `limits.max_seq_len` tokens (twice what it then holds for caches that grow by
+        doubling; its pages for the paged K3 cache, policy/k3/paged.py)."""
+        return self.session.reserve_for(self.limits.max_seq_len)
 
     def room(self, max_live: int) -> int:
         """How many more episodes may start: at most `max_live` live, and every live one's
@@ -145,8 +147,8 @@ class AgentLoop:
             if reserve > self.cache_budget:
                 raise ValueError(
                     f"rollout.cache_budget_mb: an episode of rollout.max_seq_len="
-                    f"{self.limits.max_seq_len} tokens reserves {reserve / 2**20:.1f} MiB of cache "
-                    f"(twice what it holds at that length), over the worker's budget of "
+                    f"{self.limits.max_seq_len} tokens reserves {reserve / 2**20:.1f} MiB of "
+                    f"cache, over the worker's budget of "
                     f"{self.cache_budget / 2**20:.1f} MiB; raise the budget or lower max_seq_len"
                 )
             free = min(free, self.cache_budget // reserve - len(self.live))

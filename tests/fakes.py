@@ -68,6 +68,9 @@ class ScriptedSession:
     def bytes_for(self, tokens):
         return 100 * tokens  # a made-up cache model: 100 bytes per token
 
+    def reserve_for(self, tokens):
+        return 2 * self.bytes_for(tokens)  # as a cache that grows by doubling
+
     def drop(self, keys):
         for key in keys:
             for store in (self.context, self.queued, self.pending):

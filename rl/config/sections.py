@@ -222,6 +222,10 @@ class RolloutConfig(Section):
     cache_budget_mb: Annotated[float, Field(gt=0)] | None = None
     """Decode-cache memory per worker: an episode starts only if every live one can still reach
     max_seq_len within it (null: half the memory available at start, shared by the workers)."""
+    paged_cache: bool = True
+    """K3 policy: keep every episode's MLA latents in fixed-size pages (decode reads each
+    episode's own pages; an episode reserves its pages, not twice its length). false: one slot
+    axis shared by all episodes (the reference path)."""
     record_routing: bool = True
     """MoE policies: record the experts the rollout engine chose for every token (for routing
     replay and the rollout/learner routing-mismatch metric)."""

@@ -84,6 +84,7 @@ def build_worker(
         seed=cfg.seed * 1000 + index,
         record_routing=cfg.rollout.record_routing,
         exact=cfg.trainer.exact_logprobs,
+        paged=cfg.rollout.paged_cache,
     )
     sink = None
     if redis_url is not None:

@@ -55,7 +55,8 @@ def qwen_model(seed=0):
 def make_policy(engine: str, seed=0, **kwargs):
     if engine == "hf":
         return HFPolicy(qwen_model(seed), pad_token_id=0)
-    return K3Policy(k3_model(seed=seed, **kwargs.pop("model", {})), fused=engine == "k3",
+    return K3Policy(k3_model(seed=seed, **kwargs.pop("model", {})),
+                    fused=engine in ("k3", "k3-paged"), paged=engine == "k3-paged",
                     **kwargs)  # fmt: skip
 
 
@@ -131,7 +132,7 @@ def end_turn(session, policy, ep: Episode, check: bool) -> None:
     ep.turn += 1
 
 
-@pytest.mark.parametrize("engine", ["k3", "k3-module", "hf"])
+@pytest.mark.parametrize("engine", ["k3", "k3-paged", "k3-module", "hf"])
 def test_multiturn_greedy_equals_reprefill(engine, monkeypatch):
     compactions = []
     compact = K3Cache.compact
@@ -142,6 +143,9 @@ def test_multiturn_greedy_equals_reprefill(engine, monkeypatch):
     assert len(done) == 5 and not session.contexts
     if engine == "hf":
         assert session.batched_forwards > 0
+    elif engine == "k3-paged":  # no holes to compact; every page back, every arena released
+        assert session.pool is None and session.stats["gather"] and not compactions
+        assert not session.pages.arenas and not session.pages.free
     else:
         assert session.pool is None
         assert session.stats["view"] and session.stats["gather"] and compactions
@@ -196,7 +200,7 @@ def continued_logprobs(old, new, prefix: list[int], token: int) -> torch.Tensor:
     return torch.log_softmax(out.logits[0, -1].float(), -1)
 
 
-@pytest.mark.parametrize("engine", ["k3", "k3-module", "hf"])
+@pytest.mark.parametrize("engine", ["k3", "k3-paged", "k3-module", "hf"])
 def test_weights_change_between_steps(engine):
     policy = make_policy(engine)
     old = copy.deepcopy(policy.model)

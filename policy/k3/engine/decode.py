@@ -105,8 +105,9 @@ def _mask_n1(mask_BT: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 def _blocked(cache: K3Cache, start: int, length: int) -> Tensor | None:
-    """[B, 1, S] for one token; None for T > 1 (flash.py builds the mask per block)."""
-    if length > 1:
+    """[B, 1, S] for one token; None for T > 1 (flash.py builds the mask per block) and for
+    paged caches (each row reads its own pages, policy/k3/paged.py)."""
+    if length > 1 or not isinstance(cache, K3Cache):
         return None
     return ~cache.key_mask[:, None, : start + 1]
 
@@ -266,6 +267,14 @@ def _mla(p: MLAPlan, x_ND: Tensor, cache: K3Cache, layer: int, step: _Step) -> T
     q_NQ, kv_NL, gate_NX = (x_ND @ p.w_in).split(p.splits, -1)
     if p.w_q is not None:
         q_NQ = _rms(q_NQ, p.q_eps) @ p.w_q
+    if not isinstance(cache, K3Cache):  # paged (policy/k3/paged.py): any rows, no padding
+        new_BTL = kv_NL.view(batch, length, -1)
+        normed_BTR = _rms(new_BTL[..., :rank], p.kv_eps, p.kv_norm_w)
+        new_BTL = torch.cat([normed_BTR, new_BTL[..., rank:]], -1)
+        q_BTHL = q_NQ.view(batch, length, heads, -1)
+        o_lat_BTHR = cache.attend(layer, q_BTHL, new_BTL, rank)
+        o_NX = torch.einsum("bthr,hrv->bthv", o_lat_BTHR, p.w_uv).reshape(batch * length, -1)
+        return _mla_out(p, o_NX, gate_NX)
     slots_BSL = cache.latent[layer][:, : step.start + length]
     new_BTL = slots_BSL[:, step.start :]
     new_BTL.copy_(kv_NL.view(batch, length, -1))
@@ -284,6 +293,10 @@ def _mla(p: MLAPlan, x_ND: Tensor, cache: K3Cache, layer: int, step: _Step) -> T
         o_NX = torch.einsum("bthr,hrv->bthv", o_lat_BTHR, p.w_uv).reshape(batch * length, -1)
     if step.mask_N1 is not None:
         o_NX = o_NX * step.mask_N1
+    return _mla_out(p, o_NX, gate_NX)
+
+
+def _mla_out(p: MLAPlan, o_NX: Tensor, gate_NX: Tensor) -> Tensor:
     if p.gated:
         o_NX = o_NX * torch.sigmoid(gate_NX)
     return o_NX @ p.w_o

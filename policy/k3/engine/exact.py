@@ -126,6 +126,10 @@ class ExactSession(PolicyBound):
         dtype = self.policy.model.get_input_embeddings().weight.dtype
         return K3Cache.row_bytes(self.policy.model.config, tokens, dtype)
 
+    def reserve_for(self, tokens: int) -> int:
+        """Twice bytes_for: each row's slots grow by doubling, and copy as they grow."""
+        return 2 * self.bytes_for(tokens)
+
     def _row(self, key: Hashable) -> _Row:
         if key not in self.rows:
             raise KeyError(f"no context for key {key!r}")

@@ -51,9 +51,11 @@ class K3Policy:
     max_batch: rows decoded together (more prompts wait for free rows); prefill_chunk: tokens
     per prefill forward (bounds the [B, H, chunk, S] MLA scores); record_routing: fill
     Completion.routed_experts; fused: use the fused forward (decode.py) when the model is
-    float32/float64; exact: sessions decode every episode alone, one token per forward, so that
-    its logprobs equal the learner's bit for bit (policy/k3/engine/exact.py). Set torch's thread
-    count outside (rollout workers: one per worker).
+    float32/float64; paged: sessions keep MLA latents in pages of `page_size` tokens
+    (policy/k3/paged.py; fused forward only); exact: sessions decode every episode alone, one
+    token per forward, so that its logprobs equal the learner's bit for bit
+    (policy/k3/engine/exact.py). Set torch's thread count outside (rollout workers: one per
+    worker).
     """
 
     def __init__(
@@ -67,6 +69,8 @@ class K3Policy:
         record_routing: bool = False,
         fused: bool = True,
         exact: bool = False,
+        paged: bool = False,
+        page_size: int = 64,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")
@@ -79,6 +83,7 @@ class K3Policy:
         self.record_routing, self.exact = record_routing, exact
         dtype = model.get_input_embeddings().weight.dtype
         self.fused = fused and dtype in (torch.float32, torch.float64)
+        self.paged, self.page_size = paged and self.fused, page_size
         self.version = 0
         self.device = model.get_input_embeddings().weight.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)

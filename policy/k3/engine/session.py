@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -37,6 +37,7 @@ from torch import Tensor
 from policy.k3.cache import K3Cache
 from policy.k3.engine.plan import DecodePlan
 from policy.k3.engine.runner import K3Policy
+from policy.k3.paged import PagedBatch, PagePool
 from policy.sampling import SamplingParams, sample_next
 from policy.session import PolicyBound, Sampled, check_keys
 
@@ -49,6 +50,7 @@ class _Context:
     fed: int = 0  # tokens in the cache
     pending: int | None = None  # sampled by step(), not fed yet
     logits_V: Tensor | None = None  # next-token logits after the last fed token
+    pages: list[int] = field(default_factory=list)  # block table (paged mode)
 
 
 class K3Session(PolicyBound):
@@ -57,7 +59,12 @@ class K3Session(PolicyBound):
     def __init__(self, policy: K3Policy) -> None:
         self.policy = policy
         self.contexts: dict[Hashable, _Context] = {}
-        self.pool: K3Cache | None = None
+        self.pool: K3Cache | None = None  # paged mode: KDA rows only, no MLA slots
+        self.pages: PagePool | None = None
+        if policy.paged:
+            param = policy.model.get_input_embeddings().weight
+            self.pages = PagePool(policy.model.config, dtype=param.dtype, device=param.device,
+                                  page_size=policy.page_size)  # fmt: skip
         self.stats: Counter[str] = Counter()  # forwards on "view"s / "gather"ed rows, compactions
         self._plan: DecodePlan | None = None
         self._plan_key: tuple | None = None
@@ -109,9 +116,12 @@ class K3Session(PolicyBound):
     @torch.inference_mode()
     def drop(self, keys: list[Hashable]) -> None:
         """Forget these contexts (unknown keys are ignored); their rows leave the pool."""
-        gone = {self.contexts.pop(key).row for key in set(keys) if key in self.contexts}
-        if not gone:
+        dropped = [self.contexts.pop(key) for key in set(keys) if key in self.contexts]
+        if not dropped:
             return
+        if self.pages is not None:
+            self.pages.release([page for ctx in dropped for page in ctx.pages])
+        gone = {ctx.row for ctx in dropped}
         if not self.contexts:
             self.pool = None
             return
@@ -127,16 +137,28 @@ class K3Session(PolicyBound):
         return ctx.fed + (ctx.pending is not None)
 
     def bytes_for(self, tokens: int) -> int:
-        """What a row of the shared pool holds for an episode of `tokens` tokens."""
+        """What an episode of `tokens` tokens holds: its row of the shared pool, or (paged) its
+        KDA row and its pages."""
         dtype = self.policy.model.get_input_embeddings().weight.dtype
-        return K3Cache.row_bytes(self.policy.model.config, tokens, dtype)
+        if self.pages is None:
+            return K3Cache.row_bytes(self.policy.model.config, tokens, dtype)
+        pages = self.pages
+        slots = pages.pages_for(tokens) * pages.page
+        return K3Cache.row_bytes(self.policy.model.config, 0, dtype) + slots * pages.token_bytes()
+
+    def reserve_for(self, tokens: int) -> int:
+        """Bytes to set aside for an episode that may grow to `tokens` tokens: its pages
+        (paged), or twice its row (the slot pool's capacity doubles, and copies as it grows)."""
+        return self.bytes_for(tokens) * (1 if self.pages is not None else 2)
 
     def cache_bytes(self, key: Hashable) -> int:
-        """KDA states and conv windows of key's row + its MLA latent slots in use."""
-        row, pool = self._context(key).row, self.pool
-        used = int(pool.key_mask[row, : pool.length].sum())
-        total = sum(x[row].numel() * x.element_size() for x in (*pool.conv, *pool.state)
+        """KDA states and conv windows of key's row + its MLA latents in use."""
+        ctx, pool = self._context(key), self.pool
+        total = sum(x[ctx.row].numel() * x.element_size() for x in (*pool.conv, *pool.state)
                     if x is not None)  # fmt: skip
+        if self.pages is not None:
+            return total + ctx.fed * self.pages.token_bytes()
+        used = int(pool.key_mask[ctx.row, : pool.length].sum())
         total += sum(used * x.shape[-1] * x.element_size() for x in pool.latent if x is not None)
         return total
 
@@ -198,6 +220,8 @@ class K3Session(PolicyBound):
         keys, rows = [keys[i] for i in order], [self.contexts[keys[i]].row for i in order]
         ids_BT = torch.tensor([ids[i] for i in order], dtype=torch.long, device=self.policy.device)
         sub, index = self._gather(rows, ids_BT.shape[1])
+        if self.pages is not None:
+            sub = self._paged(sub, keys, ids_BT.shape[1])
         logits_BV, routed_BTMK = self.policy.forward(sub, ids_BT, None, plan)
         self._scatter(sub, index, ids_BT.shape[1])
         for b, key in enumerate(keys):
@@ -212,7 +236,8 @@ class K3Session(PolicyBound):
         """The rows' cache, with room for `width` new slots: views of the pool when the rows
         are contiguous, else gathered copies (MLA slots up to the new ones only)."""
         pool = self.pool
-        pool.reserve(width)
+        if self.pages is None:
+            pool.reserve(width)
         end = pool.length + width
         if rows[-1] - rows[0] + 1 == len(rows):
             index: slice | Tensor = slice(rows[0], rows[-1] + 1)
@@ -243,12 +268,24 @@ class K3Session(PolicyBound):
             for i, x in enumerate(new):
                 if x is not None:
                     _put(store[i], index, x)
+        if self.pages is not None:  # the forward wrote its latents into their pages
+            return
         if isinstance(index, Tensor):  # views already wrote their MLA slots and key mask
             for i, x in enumerate(sub.latent):
                 if x is not None:
                     pool.latent[i][index, start:end] = x[:, start:end]
             pool.key_mask[index, start:end] = sub.key_mask[:, start:end]
         pool.length = end
+
+    def _paged(self, sub: K3Cache, keys: list[Hashable], width: int) -> PagedBatch:
+        """The rows' KDA state with their block tables, pages for `width` more tokens added."""
+        contexts = [self.contexts[key] for key in keys]
+        for ctx in contexts:
+            need = self.pages.pages_for(ctx.fed + width) - len(ctx.pages)
+            if need > 0:
+                ctx.pages.extend(self.pages.allocate(need))
+        tables, lengths = [ctx.pages for ctx in contexts], [ctx.fed for ctx in contexts]
+        return PagedBatch(sub.conv, sub.state, sub.splits, self.pages, tables, lengths)
 
     def _maybe_compact(self) -> None:
         """Squeeze out holes once they are over a third of the slots; shrink spare capacity."""
