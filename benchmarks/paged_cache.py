@@ -39,6 +39,7 @@ OBSERVATION = 24
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=1)
 
 
+@torch.inference_mode()  # the session's tensors are made in inference mode too
 def fill(session: K3Session, key: str, tokens: int, gen: torch.Generator) -> None:
     """Open `key` with a cache of `tokens` random latents (and random KDA state) and one pending
     token, as if its prompt had been prefilled."""

@@ -18,7 +18,9 @@ has as many slots as the longest, holes accumulate where rows sit out a forward,
 over a non-contiguous subset of rows gathers those rows' whole slot buffers and writes them back.
 Here a forward reads only the pages its rows use (per arena, one index_select each), writes
 only its new tokens' slots, and a decode step's attention costs each row its own length
-(`ragged_decode`: scores per page, softmax merged per row), not the longest row's.
+(`ragged_decode`: scores per page, softmax merged per row), not the longest row's. On CUDA
+the per-row sums are `index_add_`s (atomics): logprobs may differ from run to run in the last
+bits; the slot pool's do not.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class PagePool:
         self.arenas: dict[int, Tensor] = {}  # arena -> [Y, A, G, L]
         self.in_use: Counter[int] = Counter()  # arena -> pages handed out
         self.free: list[int] = []  # heap of the free pages of allocated arenas
+        self.taken: set[int] = set()  # pages handed out
 
     # -- pages --------------------------------------------------------------------------------
     def pages_for(self, tokens: int) -> int:
@@ -73,28 +76,37 @@ class PagePool:
                 self._open_arena()
             page = heapq.heappop(self.free)
             self.in_use[page // self.arena_pages] += 1
+            self.taken.add(page)
             out.append(page)
         return out
 
     def release(self, pages: list[int]) -> None:
-        """Free these pages; arenas left without a page in use give their memory back."""
+        """Free these pages. Arenas left without a page in use give their memory back, but for
+        one spare (the lowest), so that episodes ending and starting together do not free and
+        reallocate an arena every time."""
         emptied = set()
         for page in pages:
+            if page not in self.taken:
+                raise ValueError(f"page {page} is not in use (released twice?)")
+            self.taken.remove(page)
             arena = page // self.arena_pages
             self.in_use[arena] -= 1
             heapq.heappush(self.free, page)
             if not self.in_use[arena]:
                 emptied.add(arena)
-        if emptied:
-            for arena in emptied:
+        spare = [a for a in self.arenas if not self.in_use[a] and a not in emptied]
+        gone = sorted(emptied)[0 if spare else 1 :]
+        if gone:
+            for arena in gone:
                 del self.arenas[arena], self.in_use[arena]
-            self.free = [p for p in self.free if p // self.arena_pages not in emptied]
+            self.free = [p for p in self.free if p // self.arena_pages not in gone]
             heapq.heapify(self.free)
 
     def _open_arena(self) -> None:
         arena = next(a for a in range(len(self.arenas) + 1) if a not in self.arenas)
         shape = (len(self.slot_of), self.arena_pages, self.page, self.width)
-        # zeros, not empty: a page's unused tail is read (masked: weight 0, and 0 x NaN = NaN)
+        # zeros, not empty: a page's unused tail is read (masked: weight 0, but 0 x NaN = NaN);
+        # a reused page's tail holds an earlier episode's finite latents
         self.arenas[arena] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         first = arena * self.arena_pages
         for page in range(first, first + self.arena_pages):
@@ -175,11 +187,12 @@ class _DecodePlan:
 
 @dataclass(frozen=True, slots=True)
 class _ContextPlan:
-    """The earlier tokens a prefill forward reads, right-aligned in [b, S] (left pads masked)."""
+    """Where a prefill forward's keys go in [b, S + T]: each row's earlier tokens right-aligned
+    in the first S (left pads masked), the new ones after them."""
 
-    groups: _Groups  # positions are flat indices into [b * S]
+    groups: _Groups  # positions: flat indices into [b * (S + T)]
     longest: int  # S
-    mask_bS: Tensor
+    mask_bX: Tensor  # [b, S + T]
 
 
 class PagedBatch:
@@ -209,7 +222,7 @@ class PagedBatch:
         if length == 1:
             self._read = _decode_plan(pool, self.tables, [n + 1 for n in self.lengths])
         else:
-            self._read = _context_plan(pool, self.tables, self.lengths)
+            self._read = _context_plan(pool, self.tables, self.lengths, length)
 
     def commit(self, length: int) -> None:
         del length  # the session advances its rows' lengths
@@ -223,15 +236,12 @@ class PagedBatch:
             blocks = ((self.pool.read_pages(layer, arena, local), owner, valid)
                       for arena, local, owner, valid in plan.parts)  # fmt: skip
             return ragged_decode(q_bTHL[:, 0], blocks, rank)[:, None]
-        keys_bSL = new_bTL
-        mask_bS = None
-        if plan.longest:
-            old_QL = new_bTL.new_zeros(rows * plan.longest, new_bTL.shape[-1])
-            old_bSL = self.pool.read_slots(layer, plan.groups, old_QL).view(rows, plan.longest, -1)
-            keys_bSL = torch.cat([old_bSL, new_bTL], 1)
-            mask_bS = torch.cat([plan.mask_bS, plan.mask_bS.new_ones(rows, length)], 1)
-        return flash_attention(q_bTHL, keys_bSL, keys_bSL[..., :rank], scale=1.0,
-                               offset=plan.longest, key_mask_BS=mask_bS)  # fmt: skip
+        width = plan.longest + length
+        keys_QL = new_bTL.new_zeros(rows * width, new_bTL.shape[-1])
+        keys_bXL = self.pool.read_slots(layer, plan.groups, keys_QL).view(rows, width, -1)
+        keys_bXL[:, plan.longest :] = new_bTL
+        return flash_attention(q_bTHL, keys_bXL, keys_bXL[..., :rank], scale=1.0,
+                               offset=plan.longest, key_mask_BS=plan.mask_bX)  # fmt: skip
 
 
 def ragged_decode(q_bHL: Tensor, blocks, rank: int) -> Tensor:
@@ -277,17 +287,18 @@ def _decode_plan(pool: PagePool, tables: list[list[int]], counts: list[int]) -> 
     return _DecodePlan(parts)
 
 
-def _context_plan(pool: PagePool, tables: list[list[int]], lengths: list[int]) -> _ContextPlan:
+def _context_plan(pool: PagePool, tables: list[list[int]], lengths: list[int],
+                  new: int) -> _ContextPlan:  # fmt: skip
     rows, longest = len(tables), max(lengths)
-    lengths_b = torch.tensor(lengths, dtype=torch.long)
-    mask_bS = (torch.arange(longest) >= (longest - lengths_b)[:, None]).to(pool.device)
+    width, lengths_b = longest + new, torch.tensor(lengths, dtype=torch.long)
+    mask_bX = (torch.arange(width) >= (longest - lengths_b)[:, None]).to(pool.device)
     if not longest:
-        return _ContextPlan(_Groups(()), 0, mask_bS)
-    slots = pool.slots(tables, [0] * rows, lengths)
-    first_b = torch.arange(rows) * longest + longest - lengths_b  # flat index of each row's 1st
+        return _ContextPlan(_Groups(()), 0, mask_bX)
+    slots_Q = pool.slots(tables, [0] * rows, lengths)
+    first_b = torch.arange(rows) * width + longest - lengths_b  # flat index of each row's 1st
     before_b = torch.cumsum(lengths_b, 0) - lengths_b
-    dest_Q = torch.arange(len(slots)) + torch.repeat_interleave(first_b - before_b, lengths_b)
-    groups = pool.group(slots, pool.arena_pages * pool.page)
-    dest = dest_Q.to(pool.device)
-    parts = tuple((arena, local, dest[where]) for arena, local, where in groups.parts)
-    return _ContextPlan(_Groups(parts), longest, mask_bS)
+    dest_Q = torch.arange(len(slots_Q)) + torch.repeat_interleave(first_b - before_b, lengths_b)
+    groups = pool.group(slots_Q, pool.arena_pages * pool.page)
+    dest_Q = dest_Q.to(pool.device)
+    parts = tuple((arena, local, dest_Q[where]) for arena, local, where in groups.parts)
+    return _ContextPlan(_Groups(parts), longest, mask_bX)

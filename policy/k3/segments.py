@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,6 +39,16 @@ from torch.utils.checkpoint import checkpoint
 
 from policy.k3.kda import KDACache
 from policy.k3.mla import MLACache
+
+
+class Carry(NamedTuple):
+    """What crosses a segment boundary: per layer the KDACache (KDA) or None; per layer the
+    latent chunks [B, T_s, L] of every earlier segment (MLA) or None; the key-mask chunks
+    [B, T_s] (bool) of every earlier segment."""
+
+    kda: tuple[KDACache | None, ...]
+    latents: tuple[tuple[Tensor, ...] | None, ...]
+    masks: tuple[Tensor, ...]
 
 
 class _Latents:
@@ -137,6 +148,33 @@ def segmented_hidden(
     [B*T, K] (or one [M, B*T, K] tensor). recompute: checkpoint each segment (None: when
     gradients are enabled).
     """
+    hidden_BTD, routed_MXK, _ = carried_hidden(
+        decoder, input_ids_BT, attention_mask_BT, segment=segment, replay_experts=replay_experts,
+        return_routing=return_routing, recompute=recompute,
+    )  # fmt: skip
+    return hidden_BTD, routed_MXK
+
+
+def empty_carry(decoder) -> Carry:
+    """The carry before a sequence's first token."""
+    kda = (None,) * len(decoder.layers)
+    return Carry(kda, tuple(None if layer.is_kda else () for layer in decoder.layers), ())
+
+
+def carried_hidden(
+    decoder,
+    input_ids_BT: Tensor,
+    attention_mask_BT: Tensor | None,
+    *,
+    segment: int,
+    carry: Carry | None = None,
+    replay_experts: Tensor | Sequence[Tensor] | None = None,
+    return_routing: bool = False,
+    recompute: bool | None = None,
+) -> tuple[Tensor, Tensor | None, Carry]:
+    """segmented_hidden continuing from `carry` (the state after every earlier token; None: the
+    sequence starts here) -> (hidden [B, T, D], routed [M, B*T, K] or None, the carry after
+    the last token). Context parallelism hands the carry from rank to rank (context.py)."""
     if segment <= 0:
         raise ValueError(f"segment must be a positive number of tokens, got {segment}")
     batch, length = input_ids_BT.shape
@@ -146,10 +184,7 @@ def segmented_hidden(
     if recompute is None:
         recompute = torch.is_grad_enabled()
     run = functools.partial(checkpoint, _segment, use_reentrant=False) if recompute else _segment
-    num_layers = len(decoder.layers)
-    kda: tuple = (None,) * num_layers
-    latents: tuple = tuple(None if layer.is_kda else () for layer in decoder.layers)
-    masks: tuple[Tensor, ...] = ()
+    kda, latents, masks = carry or empty_carry(decoder)
     hiddens, routed = [], []
     for t0 in range(0, length, segment):
         t1 = min(t0 + segment, length)
@@ -173,4 +208,4 @@ def segmented_hidden(
         if routed_MXK is not None:
             routed.append(routed_MXK.unflatten(1, (batch, t1 - t0)))
     routed_MXK = torch.cat(routed, dim=2).flatten(1, 2) if routed else None
-    return torch.cat(hiddens, dim=1), routed_MXK
+    return torch.cat(hiddens, dim=1), routed_MXK, Carry(kda, latents, masks)

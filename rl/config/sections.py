@@ -225,7 +225,8 @@ class RolloutConfig(Section):
     paged_cache: bool = True
     """K3 policy: keep every episode's MLA latents in fixed-size pages (decode reads each
     episode's own pages; an episode reserves its pages, not twice its length). false: one slot
-    axis shared by all episodes (the reference path)."""
+    axis shared by all episodes (the reference path). Float32/float64 rollout models only (the
+    fused engine); trainer.exact_logprobs decodes every episode alone and ignores it."""
     record_routing: bool = True
     """MoE policies: record the experts the rollout engine chose for every token (for routing
     replay and the rollout/learner routing-mismatch metric)."""

@@ -42,6 +42,7 @@ from policy.hf import import_verified
 from policy.k3.cache import K3Cache
 from policy.k3.engine.decode import forward_tokens
 from policy.k3.engine.plan import DecodePlan, build_plan
+from policy.k3.paged import PAGE_SIZE
 from policy.sampling import Completion, SamplingParams, left_pad, sample_next
 
 
@@ -70,7 +71,7 @@ class K3Policy:
         fused: bool = True,
         exact: bool = False,
         paged: bool = False,
-        page_size: int = 64,
+        page_size: int = PAGE_SIZE,
     ) -> None:
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1")

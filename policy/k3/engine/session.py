@@ -147,9 +147,12 @@ class K3Session(PolicyBound):
         return K3Cache.row_bytes(self.policy.model.config, 0, dtype) + slots * pages.token_bytes()
 
     def reserve_for(self, tokens: int) -> int:
-        """Bytes to set aside for an episode that may grow to `tokens` tokens: its pages
-        (paged), or twice its row (the slot pool's capacity doubles, and copies as it grows)."""
-        return self.bytes_for(tokens) * (1 if self.pages is not None else 2)
+        """Bytes to set aside for an episode that may grow to `tokens` tokens: twice its row
+        (the pool's rows are copied when episodes join or leave, and the slot pool's capacity
+        doubles as it grows); paged, twice its KDA row plus its pages (pages never move)."""
+        if self.pages is None:
+            return 2 * self.bytes_for(tokens)
+        return self.bytes_for(tokens) + self.bytes_for(0)
 
     def cache_bytes(self, key: Hashable) -> int:
         """KDA states and conv windows of key's row + its MLA latents in use."""

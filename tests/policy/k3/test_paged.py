@@ -57,11 +57,15 @@ def test_pages_lowest_first_and_empty_arenas_released():
     assert pool.allocate(3) == [0, 1, 2] and sorted(pool.arenas) == [0, 1]
     per_arena = 1 * 2 * 4 * (16 + 8) * 4  # MLA layers x pages x tokens x latent x float32
     assert pool.nbytes() == {"pages": 3 * 4 * 24 * 4, "allocated": 2 * per_arena}
-    pool.release([0, 1])  # arena 0 empties: its memory goes
-    assert sorted(pool.arenas) == [1] and pool.free == [3]
-    assert pool.allocate(2) == [3, 0]  # the free page first, then the lowest arena reopens
-    pool.release([2, 3, 0])
-    assert not pool.arenas and not pool.free and pool.nbytes()["allocated"] == 0
+    pool.release([0, 1])  # arena 0 empties: kept as the one spare
+    assert sorted(pool.arenas) == [0, 1] and pool.allocate(2) == [0, 1]
+    pool.release([2])  # arena 1 empties: the spare now
+    pool.release([0, 1])  # arena 0 empties too: its memory goes, one spare is enough
+    assert sorted(pool.arenas) == [1] and sorted(pool.free) == [2, 3] and not pool.taken
+    with pytest.raises(ValueError, match="page 2 is not in use"):
+        pool.release([2])
+    assert pool.allocate(3) == [2, 3, 0]  # the free pages first, then the lowest arena reopens
+    assert pool.nbytes() == {"pages": 3 * 4 * 24 * 4, "allocated": 2 * per_arena}
 
 
 def paged_pair(record: bool = True, page: int = 3, arena: int = 2):
@@ -110,7 +114,7 @@ def test_paged_session_equals_slot_session_float64():
             paged.drop([gone])
     assert len(paged.pages.arenas) > 3 and paged.stats["gather"]
     paged.drop(list(live))
-    assert not paged.pages.arenas and paged.pool is None
+    assert not paged.pages.taken and len(paged.pages.arenas) == 1 and paged.pool is None
 
 
 def test_paged_bytes_and_reserve():
@@ -120,7 +124,7 @@ def test_paged_bytes_and_reserve():
     token = paged.pages.token_bytes()
     assert paged.cache_bytes("a") == fixed + 10 * token
     assert paged.bytes_for(10) == fixed + 12 * token  # three 4-token pages
-    assert paged.reserve_for(10) == paged.bytes_for(10)
+    assert paged.reserve_for(10) == paged.bytes_for(10) + fixed  # KDA rows copy on join/leave
     assert slot.reserve_for(10) == 2 * slot.bytes_for(10) == 2 * (fixed + 10 * (token + 1))
     assert paged.pages.nbytes() == {"pages": 12 * token, "allocated": 8 * 4 * token}
 
