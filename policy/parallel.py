@@ -372,7 +372,9 @@ class RouterStats:
         """Record every router call inside the block; `token_mask` [B, T] (or any shape that
         flattens to the routers' tokens; True = counts) drops padding. A forward that routes
         the T positions in several calls along T (segments of S positions, B*S tokens each:
-        policy/k3/segments.py) takes the mask's columns in order, one call after another."""
+        policy/k3/segments.py) takes the mask's columns in order, one call after another; a
+        call with fewer real tokens than experts / top_k (say a segment of padding) counts for
+        the loads but gives no QB candidate."""
         mask_BT = None
         if token_mask is not None:
             rows = token_mask.shape[0] if token_mask.dim() > 1 else 1
@@ -396,15 +398,15 @@ class RouterStats:
             cursors[name] = start + width
             mask_T = mask_BT[:, start : start + width].reshape(-1).to(scores_TE.device)
             scores_TE, indices_TK = scores_TE[mask_T], indices_TK[mask_T]
+        load_N = expert_load(indices_TK, router.num_experts)
+        self._loads[name] = load_N + self._loads[name] if name in self._loads else load_N
+        if scores_TE.shape[0] * router.top_k < router.num_experts:
+            return  # too few tokens to admit one per expert (a segment of padding): no candidate
         bias_N = router.e_score_correction_bias
         candidate_N = quantile_balancing_candidate(scores_TE, bias_N, router.top_k).double()
-        load_N = expert_load(indices_TK, router.num_experts)
         if name in self._num_batches:
-            candidate_N, load_N = (
-                candidate_N + self._candidate_sums[name],
-                load_N + self._loads[name],
-            )
-        self._candidate_sums[name], self._loads[name] = candidate_N, load_N
+            candidate_N = candidate_N + self._candidate_sums[name]
+        self._candidate_sums[name] = candidate_N
         self._num_batches[name] = self._num_batches.get(name, 0) + 1
 
     @torch.no_grad()

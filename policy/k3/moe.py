@@ -113,7 +113,7 @@ def sorted_experts(z_TL, indices_TK, weights_TK, gate_up_EFL, down_ELF, betas, u
         ])  # fmt: skip
     inverse_S = torch.empty_like(order_S)
     inverse_S[order_S] = torch.arange(order_S.numel(), device=order_S.device)
-    out_TKL = out_SL[inverse_S].view(num_tokens, top_k, -1)
+    out_TKL = out_SL[inverse_S].view(num_tokens, top_k, out_SL.shape[-1])  # T may be 0 (EP)
     return (out_TKL * weights_TK.to(out_TKL.dtype).unsqueeze(-1)).sum(dim=1)
 
 

@@ -92,8 +92,9 @@ class TrainerConfig(Section):
     backward in segments of this many tokens that carry the KDA state and the MLA latents from
     segment to segment, each segment recomputed in the backward (activation checkpointing), so
     memory grows about linearly with the length; same gradient as unsegmented. K3 policies only
-    (the learner raises for other models) and one learner rank (world_size 1). 0 = off: one
-    forward over the whole micro-batch."""
+    (the learner raises for other models). On several ranks (FSDP2 + expert parallel) every
+    micro-batch is padded to the widest rank's, so that all ranks run the same segments. 0 =
+    off: one forward over the whole micro-batch."""
     autocast: Literal["none", "bf16"] = "none"
     """bf16: the learner's forward (and so its backward) under torch.autocast in bfloat16; the
     weights, gradients and optimizer state stay fp32, and K3's KDA recurrence, attention softmax,
@@ -140,12 +141,6 @@ class TrainerConfig(Section):
     @model_validator(mode="after")
     def _ranks(self) -> TrainerConfig:
         fold_cpus(self, "cpus")
-        if self.segment_tokens and self.world_size > 1:
-            raise ConfigError(
-                "segment_tokens",
-                "is single-rank for now (world_size 1): ranks would run different numbers of "
-                "segments, and so of FSDP / expert-parallel collectives",
-            )
         if self.expert_parallel < 1 or self.world_size % self.expert_parallel:
             raise ConfigError(
                 "expert_parallel",

@@ -58,9 +58,10 @@ class TrainBatch:
         values = (getattr(self, f.name) for f in dataclasses.fields(self))
         return TrainBatch(*(None if x is None else x.to(device) for x in values))
 
-    def rows(self, index: torch.Tensor) -> TrainBatch:
-        """A micro-batch, trimmed to its own longest sequence."""
-        width = int(self.lengths_N[index].max())
+    def rows(self, index: torch.Tensor, width: int = 0) -> TrainBatch:
+        """A micro-batch, trimmed to its own longest sequence (or to `width`, if longer: right
+        padding, masked)."""
+        width = max(int(self.lengths_N[index].max()), width)
         return TrainBatch(
             self.input_ids_NT[index, :width],
             self.attention_mask_NT[index, :width],

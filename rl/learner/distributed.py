@@ -98,6 +98,14 @@ class Shard:
         count = max(1, math.ceil(math.ceil(len(order_N) / self.world) / size))
         return list(torch.tensor_split(mine, count))
 
+    def max(self, value: int) -> int:
+        """The largest `value` over the ranks."""
+        if self.world == 1:
+            return value
+        out = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out)
+
     def sum(self, values: dict[str, float]) -> dict[str, float]:
         if self.world == 1:
             return values

@@ -268,7 +268,7 @@ class Learner:
             ref_logp_NT=zeros_NT(shape_NT) if self.reference is not None else None,
         )
         for index, scale in _pieces(pieces):
-            mb = batch.rows(index)
+            mb = self._rows(batch, index)
             width = mb.loss_mask_NT.shape[1]
             select = mb.loss_mask_NT > 0
             with self._autocast():
@@ -306,6 +306,13 @@ class Learner:
                 lam=self.cfg.lam,
             )
         return prep
+
+    def _rows(self, batch: TrainBatch, index: torch.Tensor) -> TrainBatch:
+        """A micro-batch; segmented on several ranks, padded to the widest of the ranks' pieces
+        so that every rank runs the same number of segments (so of FSDP and EP collectives)."""
+        if not (self.cfg.segment_tokens and self.shard.world > 1):
+            return batch.rows(index)
+        return batch.rows(index, self.shard.max(int(batch.lengths_N[index].max())))
 
     def _logp(self, model, hidden, mb: TrainBatch) -> torch.Tensor:
         targets = mb.input_ids_NT[:, 1:]
@@ -365,7 +372,7 @@ class Learner:
         totals, sums = LossStats(), {"loss": 0.0, "entropy": 0.0, "value_loss": 0.0}
         largest_gap = -1.0
         for index, scale in _pieces(self.shard.micro_batches(mini, self.cfg.micro_batch_size)):
-            mb = batch.rows(index)
+            mb = self._rows(batch, index)
             width = mb.loss_mask_NT.shape[1]
             record = (
                 self.router_stats.record(token_mask=mb.attention_mask_NT)

@@ -116,6 +116,36 @@ def test_two_ranks_with_expert_parallel_train_like_one_and_resume_exactly(tmp_pa
     )
 
 
+SEGMENT = 4  # tokens: the groups' 9-13 token sequences run in 3-4 segments
+
+
+def _segmented(rank, world, tmp) -> None:
+    model = make_model(torch.float64)
+    batches = groups(model) if rank == 0 else []
+    trained = learner(model, batches, rank, world, ep=2, segment=SEGMENT)
+    losses = [trained.step()["learner/loss"] for _ in range(2)]
+    out = dict(losses=losses, trained=full_state(trained))
+    if rank == 0:
+        torch.save(out, Path(tmp) / "segmented.pt")
+
+
+def test_segments_on_sharded_ranks_train_like_one_rank(tmp_path):
+    """trainer.segment_tokens on 2 ranks with FSDP2 + 2-way EP: each rank's micro-batches are
+    padded to the widest rank's, so both run the same segments (without it the ranks' FSDP and
+    EP collectives fall out of step and hang), and a segment of padding only gives no Quantile
+    Balancing candidate; 2 optimizer steps equal one rank's with the same segments."""
+    run_ranks(_segmented, str(tmp_path), timeout=150)
+    two = torch.load(tmp_path / "segmented.pt", weights_only=False)
+    model = make_model(torch.float64)
+    one = learner(model, groups(model), segment=SEGMENT)
+    losses = [one.step()["learner/loss"] for _ in range(2)]
+    want, got = full_state(one), two["trained"]
+    assert list(got["model"]) == list(want["model"])
+    weights = _max_diff(got["model"], want["model"])
+    assert weights < TOLERANCE, weights
+    assert two["losses"] == pytest.approx(losses, abs=1e-12)
+
+
 @pytest.mark.parametrize("block_size", [2, None], ids=["attn-res", "plain-residual"])
 def test_no_fsdp_module_of_the_k3_learner_returns_a_view(block_size):
     """FSDP2 on a one-rank group runs the same hooks as on many: its pre-forward hook hands each
