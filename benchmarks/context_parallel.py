@@ -11,9 +11,10 @@ own spawned gloo process group, one torch thread per rank:
   in the same segments, the carry (KDA states and conv tails, MLA latents) relayed rank to rank.
 Every rank then puts its shard's positions through the LM head (the logprob of the next token;
 the last rank's last position predicts nothing) and back-propagates the mean over the
-sequence. Printed per rank: forward and backward wall time (the backward includes waiting for
-the later ranks' carry gradient), the whole step's wall time, and the peak RSS growth over the
-RSS after the model was built (`ru_maxrss`).
+sequence. Printed per rank: forward and backward wall time (a later rank's forward includes
+waiting for the carry, an earlier rank's backward waiting for the carry's gradient), the whole
+step's wall time, and the peak RSS growth over the RSS after the model was built
+(`ru_maxrss`).
 """
 
 from __future__ import annotations

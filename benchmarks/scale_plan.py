@@ -10,8 +10,9 @@ as designed: context parallel, layer checkpoints inside segments, MLA attending 
 space), the transient gathered weights; communication per step (FSDP, EP all-to-all, CP);
 the weight push; the rollout cache of one 1M-token episode. Activation rates are measured by
 policy/k3/footprint.py (saved-tensor hooks on width-scaled probes, checked at a third width);
-everything else is arithmetic on the config and the constants below. Context parallelism is not
-built: its rows are the design's volumes, not measurements.
+everything else is arithmetic on the config and the constants below. The balanced context
+parallelism planned here is not built (policy/k3/context.py is a sequential relay the learner
+does not use yet): its rows are the design's volumes, not measurements.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def state_bytes(split: dict[str, int], devices: int, scheme: dict[str, int]) -> 
 
 
 def activations_as_built(config, rates, tokens: int, segment: int) -> dict[str, float]:
-    """The segmented learner as built: one rank holds the whole episode (segments with more
-    than one learner rank are refused), a segment is one checkpoint of all layers, and each
+    """The segmented learner as built: one rank holds the whole episode (the learner splits no
+    episode across ranks), a segment is one checkpoint of all layers, and each
     segment's recomputation expands every earlier key per MLA head. Peak at the backward of
     the last segment (what tests/test_scale_plan.py measures on k3-debug)."""
     per_token = footprint.learner_carry(config, segment)

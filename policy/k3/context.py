@@ -14,6 +14,12 @@ are point-to-point transfers (`_Recv` on the receiving rank, `_Send` on the send
     loss = shard_loss(hidden_BSD) + anchor   # anchor: 0, ties the carry's gradient to the loss
     loss.backward()                          # then sum the parameter gradients over the group
 
+Rules: every rank of `group` calls `context_hidden` once per forward and runs its backward
+once, in the same order (the transfers carry no tags); the decoder may run no collective over
+ranks of `group` (FSDP2 all-gathers or EP all-to-alls that include another context rank would
+wait for a rank that waits for the carry); the group needs gloo for its small CPU headers
+("cpu:gloo,cuda:nccl" on GPUs, as the learner's).
+
 What it is and is not, today:
 - exact: the hidden states and the (summed) parameter gradients equal one rank's over the
   whole sequence (tests/policy/k3/test_context.py, float64, 2 and 3 ranks);
@@ -45,6 +51,8 @@ def context_hidden(decoder, input_ids_BS: Tensor, attention_mask_BS: Tensor | No
     forward. `segment`: checkpointed segments inside the shard (segments.py); `moe`:
     replay_experts / return_routing for the shard's tokens (routes are then not returned).
     Add the anchor (a 0 that carries the relay's backward) to the loss before `backward()`."""
+    if input_ids_BS.shape[1] == 0:
+        raise ValueError("every context rank needs at least one token of the sequence")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     carry = empty_carry(decoder) if rank == 0 else _receive(decoder, group, rank - 1)
     moe.pop("return_routing", None)
@@ -57,7 +65,10 @@ def context_hidden(decoder, input_ids_BS: Tensor, attention_mask_BS: Tensor | No
         header = _header(carry, flat)
         dist.send(torch.tensor([len(header)]), dst, group=group)
         dist.send(header, dst, group=group)
-        anchor = anchor + _Send.apply(dst, group, *flat).to(anchor.dtype)
+        if any(x.requires_grad for x in flat):
+            anchor = anchor + _Send.apply(dst, group, *flat).to(anchor.dtype)
+        else:
+            _send_all(flat, dst, group)  # no graph: no gradient comes back
     return hidden_BSD, anchor
 
 
@@ -71,9 +82,14 @@ def _flatten(carry: Carry) -> list[Tensor]:
 
 
 def _header(carry: Carry, flat: list[Tensor]) -> Tensor:
-    """[chunks, then per tensor: dtype code, rank, 4 dims] as int64."""
+    """[chunks, whether the carry needs a gradient, then per tensor: dtype code, rank, 4 dims]
+    as int64."""
+    if any(x.dim() > 4 for x in flat):
+        raise ValueError("carry tensors have at most 4 dimensions")
+    grad = any(x.requires_grad for x in flat)
     rows = [[_DTYPES.index(x.dtype), x.dim(), *x.shape, *[0] * (4 - x.dim())] for x in flat]
-    return torch.tensor([len(carry.masks)] + [v for row in rows for v in row], dtype=torch.long)
+    head = [len(carry.masks), int(grad)]
+    return torch.tensor(head + [v for row in rows for v in row], dtype=torch.long)
 
 
 def _receive(decoder, group, source: int) -> Carry:
@@ -83,9 +99,9 @@ def _receive(decoder, group, source: int) -> Carry:
     dist.recv(size, src, group=group)
     header = torch.empty(int(size), dtype=torch.long)
     dist.recv(header, src, group=group)
-    chunks, specs = int(header[0]), header[1:].view(-1, 6).tolist()
+    chunks, grad, specs = int(header[0]), bool(header[1]), header[2:].view(-1, 6).tolist()
     device = next(decoder.parameters()).device
-    anchor = torch.zeros((), requires_grad=True)
+    anchor = torch.zeros((), requires_grad=grad)  # no gradient: the sender waits for none
     flat = _Recv.apply(anchor, src, group, device, tuple(_spec(row) for row in specs))
     return _unflatten([layer.is_kda for layer in decoder.layers], chunks, list(flat))
 
@@ -110,14 +126,18 @@ def _unflatten(kinds: list[bool], chunks: int, flat: list[Tensor]) -> Carry:
     return Carry(tuple(kda), tuple(latents), masks)
 
 
+def _send_all(flat, dst: int, group) -> None:
+    for x in flat:
+        dist.send(x.detach().contiguous(), dst, group=group)
+
+
 class _Send(torch.autograd.Function):
     """Forward: send the carry to the next rank, return 0. Backward: receive the carry's
     gradient from it (floating tensors only)."""
 
     @staticmethod
     def forward(ctx, dst: int, group, *flat: Tensor) -> Tensor:
-        for x in flat:
-            dist.send(x.detach().contiguous(), dst, group=group)
+        _send_all(flat, dst, group)
         ctx.dst, ctx.group = dst, group
         ctx.specs = [(x.shape, x.dtype, x.device) for x in flat]
         return flat[0].new_zeros((), dtype=torch.float32)

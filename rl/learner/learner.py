@@ -309,10 +309,12 @@ class Learner:
 
     def _rows(self, batch: TrainBatch, index: torch.Tensor) -> TrainBatch:
         """A micro-batch; segmented on several ranks, padded to the widest of the ranks' pieces
-        so that every rank runs the same number of segments (so of FSDP and EP collectives)."""
+        so that every rank runs the same number of segments (so of FSDP and EP collectives);
+        when no rank's piece is longer than a segment, every rank runs one forward unpadded."""
         if not (self.cfg.segment_tokens and self.shard.world > 1):
             return batch.rows(index)
-        return batch.rows(index, self.shard.max(int(batch.lengths_N[index].max())))
+        widest = self.shard.max(int(batch.lengths_N[index].max()))
+        return batch.rows(index, widest if widest > self.cfg.segment_tokens else 0)
 
     def _logp(self, model, hidden, mb: TrainBatch) -> torch.Tensor:
         targets = mb.input_ids_NT[:, 1:]

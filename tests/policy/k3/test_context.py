@@ -34,14 +34,18 @@ def loss_of(hidden_BSD, weight_BSD, mask_BS):
     return (torch.tanh(hidden_BSD) * weight_BSD * mask_BS[..., None]).sum()
 
 
-def _rank(rank, world, bounds, out_dir) -> None:
+def _rank(rank, world, bounds, out_dir, grad=True) -> None:
     model = make_model(F64)
     ids_BT, mask_BT, weight_BTD = inputs()
     lo, hi = bounds[rank], bounds[rank + 1]
-    hidden_BSD, anchor = context_hidden(
-        model.get_decoder(), ids_BT[:, lo:hi], mask_BT[:, lo:hi], group=dist.group.WORLD,
-        segment=SEGMENT,
-    )  # fmt: skip
+    with torch.set_grad_enabled(grad):
+        hidden_BSD, anchor = context_hidden(
+            model.get_decoder(), ids_BT[:, lo:hi], mask_BT[:, lo:hi], group=dist.group.WORLD,
+            segment=SEGMENT,
+        )  # fmt: skip
+    if not grad:  # a forward only (the learner's proximal logprobs): no gradient is awaited
+        torch.save({"hidden": hidden_BSD}, f"{out_dir}/rank{rank}.pt")
+        return
     (loss_of(hidden_BSD, weight_BTD[:, lo:hi], mask_BT[:, lo:hi]) + anchor).backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     for grad in grads.values():
@@ -66,3 +70,15 @@ def test_context_ranks_equal_one_process(bounds, tmp_path):
         assert got.keys() == want.keys()
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, atol=1e-10, rtol=1e-8, msg=name)
+
+
+def test_context_ranks_forward_only(tmp_path):
+    bounds = (0, 20, LENGTH)
+    run_ranks(_rank, bounds, str(tmp_path), False, world=2)
+    model = make_model(F64)
+    ids_BT, mask_BT, _ = inputs()
+    with torch.no_grad():
+        hidden_BTD = model.get_decoder()(ids_BT, attention_mask=mask_BT).last_hidden_state
+    got_BTD = torch.cat([torch.load(tmp_path / f"rank{r}.pt")["hidden"] for r in range(2)], 1)
+    real_BT = mask_BT.bool()
+    torch.testing.assert_close(got_BTD[real_BT], hidden_BTD[real_BT], atol=1e-10, rtol=1e-10)
