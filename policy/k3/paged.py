@@ -119,7 +119,7 @@ class PagePool:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of the pages handed out and of the arenas allocated."""
-        used = sum(self.in_use.values()) * self.page * self.token_bytes()
+        used = len(self.taken) * self.page * self.token_bytes()
         allocated = sum(x.numel() * x.element_size() for x in self.arenas.values())
         return {"pages": used, "allocated": allocated}
 
