@@ -144,10 +144,14 @@ class TokenLogprobs(torch.nn.Module):
     token. Sharded training wraps this module, not the bare causal LM: calling the decoder and
     the LM head separately would bypass the root's all-gather of the embedding and head."""
 
-    def __init__(self, policy, *, segment_tokens: int = 0):
+    def __init__(self, policy, *, segment_tokens: int = 0, context=None):
         super().__init__()
         self.policy = policy
         self.segment_tokens = segment_tokens  # decoder_hidden's segments (0 = one forward)
+        self.context = context
+        """A process group of context ranks (K3 policies; policy/k3/context.py) or None: each
+        rank runs its shard of every sequence (`shard_bounds`), and the logprobs and entropy
+        come back whole on every rank of the group (hidden None)."""
 
     def forward(
         self,
@@ -162,7 +166,12 @@ class TokenLogprobs(torch.nn.Module):
 
         hidden keeps the last position (which predicts no token): the decoder's own output, not
         a slice of it, since a view returned by an FSDP2-wrapped root would let a later in-place
-        op drop the root's pre-backward hook. Index it at positions < T-1 as [B, T-1, D]."""
+        op drop the root's pre-backward hook. Index it at positions < T-1 as [B, T-1, D].
+        With `context`: (logprobs, entropy, None, None), the same on every context rank."""
+        if self.context is not None:
+            return self._context_forward(
+                input_ids_BT, attention_mask_BT, temperature, select_BT, replay_experts
+            )
         hidden_BTD, routed = all_hidden(
             self.policy,
             input_ids_BT,
@@ -179,3 +188,47 @@ class TokenLogprobs(torch.nn.Module):
             select_BT=select_BT,
         )
         return logp_BT, entropy_BT, hidden_BTD, routed if return_routing else None
+
+    def _context_forward(self, input_ids_BT, attention_mask_BT, temperature, select_BT, replay):
+        """This rank's shard [a, b) through the decoder (the carry relayed from the ranks
+        before it), its logprobs [B, n] for the n positions that predict a token, then every
+        rank's summed into [B, T-1] (each rank's loss is then the whole loss; the relay's
+        anchor rides on the logprobs so that the carry's gradient goes back)."""
+        import torch.distributed as dist
+
+        from policy.k3.context import context_hidden, replicated_sum, shard_bounds
+
+        group, length = self.context, input_ids_BT.shape[1]
+        bounds = shard_bounds(length, dist.get_world_size(group), self.segment_tokens)
+        a, b = bounds[dist.get_rank(group)], bounds[dist.get_rank(group) + 1]
+        hidden_BSD, anchor = context_hidden(
+            self.policy.get_decoder(), input_ids_BT[:, a:b], attention_mask_BT[:, a:b],
+            group=group, segment=self.segment_tokens or b - a,
+            replay_experts=None if replay is None else [r[:, a:b] for r in replay],
+        )  # fmt: skip
+        n = min(b, length - 1) - a
+        wanted_Bn = select_BT[:, a : a + n] if select_BT is not None else None
+        logp_Bn, entropy_Bn = head_logprobs(
+            self.policy,
+            hidden_BSD[:, :n],
+            input_ids_BT[:, a + 1 : a + 1 + n],
+            temperature=temperature,
+            select_BT=None if wanted_Bn is None else _at_least_one(wanted_Bn),
+        )
+        if wanted_Bn is not None:  # the stand-in position's values are not the caller's
+            logp_Bn, entropy_Bn = logp_Bn * wanted_Bn, entropy_Bn * wanted_Bn
+        spread = (a, length - 1 - a - n)  # zeros at the other ranks' positions
+        logp_BT = replicated_sum(torch.nn.functional.pad(logp_Bn, spread) + anchor, group)
+        entropy_BT = replicated_sum(torch.nn.functional.pad(entropy_Bn, spread), group)
+        return logp_BT, entropy_BT, None, None
+
+
+def _at_least_one(select_BT: torch.Tensor) -> torch.Tensor:
+    """`select_BT` with its first position taken if it takes none: the LM head then runs on
+    every rank whatever the data (its gradient 0 there), so that sharded ranks, whose FSDP2
+    reduces each parameter group when its gradients are ready, reduce in the same order."""
+    if select_BT.numel() == 0 or select_BT.any():
+        return select_BT
+    select_BT = select_BT.clone()
+    select_BT.view(-1)[0] = True
+    return select_BT

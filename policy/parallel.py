@@ -15,6 +15,10 @@ Layout on W ranks with expert-parallel size P (P divides W and every layer's E):
                     "edp": the W // P ranks that own the same experts; FSDP2 shards those E/P
                            experts over them (dim 0 again), so each rank stores E/W of them.
     P = 1:          no EP; plain FSDP2 over W ranks (experts are gathered like any weight).
+    meshes.cp       context parallelism C > 1 (`build_meshes(context=C)`): the C consecutive
+                    ranks that split one sequence (policy/k3/context.py). "dp" and the expert
+                    meshes above then hold the W // C ranks of one context index, and the
+                    weights are replicated over "cp" (its gradients summed by the caller).
 
 Gradients are SUMMED over ranks (every FSDP group reduces with divide factor 1). Each rank's loss
 must therefore be its share of the global loss, e.g. `local_token_sum / global_token_count`
@@ -84,26 +88,41 @@ from policy.k3.moe import sorted_experts as _sorted_experts
 class TrainMeshes:
     """The two device meshes of a learner group (see the module docstring)."""
 
-    dp: DeviceMesh  # ("dp",) all W ranks: dense FSDP, QB and metric all-reduces
-    experts: DeviceMesh  # ("edp", "ep") = (W // P, P): expert FSDP x expert parallel
+    dp: DeviceMesh  # ("dp",) the W // C ranks at this rank's context index: dense FSDP
+    experts: DeviceMesh  # ("edp", "ep") = (W // C // P, P): expert FSDP x expert parallel
+    cp: DeviceMesh | None = None  # ("cp",) the C ranks sharing one sequence; None: C = 1
 
     @property
     def ep_size(self) -> int:
         return self.experts["ep"].size()
 
 
-def build_meshes(*, ep_size: int, device_type: str = "cpu") -> TrainMeshes:
+def build_meshes(*, ep_size: int, context: int = 1, device_type: str = "cpu") -> TrainMeshes:
     """Meshes over the default process group (call `dist.init_process_group` first, on every
     rank). device_type "cpu" (gloo) or "cuda" (NCCL; a group with a gloo backend for CPU
-    tensors too, "cpu:gloo,cuda:nccl", keeps CPU-side collectives working)."""
+    tensors too, "cpu:gloo,cuda:nccl", keeps CPU-side collectives working).
+
+    context C > 1 (context parallelism, policy/k3/context.py): rank r sits at data index r // C
+    and context index r % C; FSDP2 and EP act over the W // C ranks of one context index (the
+    weights are replicated over the C context ranks, whose gradients the caller sums over
+    `cp`), so no FSDP or EP collective ever waits for a rank of another context index."""
     world = dist.get_world_size()
-    if ep_size < 1 or world % ep_size:
-        raise ValueError(f"ep_size must divide the world size {world}, got {ep_size}")
-    dp = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
-    experts = init_device_mesh(
-        device_type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep")
+    if context < 1 or world % context:
+        raise ValueError(f"context must divide the world size {world}, got {context}")
+    data = world // context
+    if ep_size < 1 or data % ep_size:
+        raise ValueError(f"ep_size must divide the data-parallel size {data}, got {ep_size}")
+    if context == 1:
+        dp = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+        experts = init_device_mesh(
+            device_type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep")
+        )
+        return TrainMeshes(dp=dp, experts=experts)
+    grid = init_device_mesh(device_type, (data, context), mesh_dim_names=("dp", "cp"))
+    expert_grid = init_device_mesh(
+        device_type, (data // ep_size, ep_size, context), mesh_dim_names=("edp", "ep", "cp")
     )
-    return TrainMeshes(dp=dp, experts=experts)
+    return TrainMeshes(dp=grid["dp"], experts=expert_grid["edp", "ep"], cp=grid["cp"])
 
 
 def global_sum(value: torch.Tensor | float, group: dist.ProcessGroup | None = None) -> float:

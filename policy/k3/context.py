@@ -59,7 +59,9 @@ def context_hidden(decoder, input_ids_BS: Tensor, attention_mask_BS: Tensor | No
     hidden_BSD, _, carry = carried_hidden(
         decoder, input_ids_BS, attention_mask_BS, segment=segment, carry=carry, **moe
     )
-    anchor = hidden_BSD.new_zeros(())
+    # 0 tied to the shard's last hidden state (so to the received carry): the backward reaches
+    # _Recv, whose gradient the previous rank waits for, even if no loss token is in the shard
+    anchor = hidden_BSD[:, -1:, :1].sum() * 0
     if rank + 1 < world:
         dst, flat = dist.get_global_rank(group, rank + 1), _flatten(carry)
         header = _header(carry, flat)
@@ -70,6 +72,50 @@ def context_hidden(decoder, input_ids_BS: Tensor, attention_mask_BS: Tensor | No
         else:
             _send_all(flat, dst, group)  # no graph: no gradient comes back
     return hidden_BSD, anchor
+
+
+def shard_bounds(length: int, ranks: int, segment: int = 0) -> list[int]:
+    """[0, ..., length]: rank r's shard of a `length`-token sequence is [b[r], b[r + 1]).
+    segment > 0: whole segments, the ceil(length / segment) segments split as evenly as counts
+    allow (earlier ranks take the extra one), so that the ranks together make exactly the calls
+    of one rank running the same segments; segment 0: `length` split as evenly. Raises when a
+    rank would get no token (pad the sequence to `min_length` first)."""
+    if length < min_length(ranks, segment):
+        raise ValueError(
+            f"{length} tokens leave a context rank without a token ({ranks} ranks"
+            f"{f', segments of {segment}' if segment else ''}): pad to {min_length(ranks, segment)}"
+        )
+    unit = segment or 1
+    units = -(-length // unit)
+    counts = [units // ranks + (r < units % ranks) for r in range(ranks)]
+    bounds = [0]
+    for count in counts:
+        bounds.append(min(length, bounds[-1] + count * unit))
+    return bounds
+
+
+def min_length(ranks: int, segment: int = 0) -> int:
+    """The shortest sequence whose shards (`shard_bounds`) all hold a token."""
+    return (ranks - 1) * (segment or 1) + 1
+
+
+def replicated_sum(x: Tensor, group) -> Tensor:
+    """x summed over `group`, for a loss that every rank of the group then computes the same
+    way from the sum: the backward hands each rank the sum's gradient unchanged (its own
+    summand's), so the ranks' parameter gradients add up to the whole loss's."""
+    return _ReplicatedSum.apply(x, group)
+
+
+class _ReplicatedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _flatten(carry: Carry) -> list[Tensor]:

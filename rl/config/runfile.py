@@ -233,6 +233,17 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _context_needs_k3(self) -> RunConfig:
+        kind = self.policy.model_type
+        if self.trainer.context_parallel > 1 and self.policy.path is None and kind != "agentrl_k3":
+            raise ConfigError(
+                "trainer.context_parallel",
+                f"context parallelism relays K3's KDA state and MLA latents between ranks; "
+                f"policy.model_type {kind} has none: use agentrl_k3 or set it to 1",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _budget_needs_async(self) -> RunConfig:
         if self.rollout.token_budget is not None and self.trainer.mode != "async":
             raise ConfigError(

@@ -112,7 +112,16 @@ class TrainerConfig(Section):
     world_size: int = Field(1, gt=0)
     """Learner ranks (Ray actors in one placement group, one torch.distributed group; FSDP2)."""
     expert_parallel: int = 1
-    """Ranks that split each MoE layer's routed experts (must divide world_size)."""
+    """Ranks that split each MoE layer's routed experts (must divide world_size /
+    context_parallel)."""
+    context_parallel: int = 1
+    """Ranks that split each trajectory along its tokens (K3 policies; must divide world_size):
+    rank r runs its shard as a later segment from the KDA states, conv tails and MLA latents
+    relayed from the ranks before it (policy/k3/context.py), with trainer.segment_tokens
+    segments inside each shard, which then hold whole segments. FSDP2 and expert parallelism
+    act over the world_size / context_parallel ranks of one context index. The relay is
+    sequential: it splits a long trajectory's memory over the ranks, not its time. Not with
+    algorithm ppo (the value head reads the whole sequence's hidden states). 1 = off."""
     placement_timeout_s: float = Field(30.0, gt=0)
     """Fail, naming what is free, if the learner ranks' placement group is not placed in this
     time (the cluster has the resources, checked at start, but other work holds them)."""
@@ -141,10 +150,25 @@ class TrainerConfig(Section):
     @model_validator(mode="after")
     def _ranks(self) -> TrainerConfig:
         fold_cpus(self, "cpus")
-        if self.expert_parallel < 1 or self.world_size % self.expert_parallel:
+        context = self.context_parallel
+        if context < 1 or self.world_size % context:
+            raise ConfigError(
+                "context_parallel",
+                f"must divide world_size ({self.world_size}): each trajectory is split over "
+                f"that many of the learner ranks; got {context}",
+            )
+        data = self.world_size // context
+        if self.expert_parallel < 1 or data % self.expert_parallel:
             raise ConfigError(
                 "expert_parallel",
-                f"must divide world_size ({self.world_size}); got {self.expert_parallel}",
+                f"must divide world_size / context_parallel ({data}: the ranks of one context "
+                f"index); got {self.expert_parallel}",
+            )
+        if context > 1 and self.algorithm == "ppo":
+            raise ConfigError(
+                "context_parallel",
+                "algorithm ppo's value head reads every position's hidden state, which context "
+                "ranks split: use grpo (or another critic-free algorithm), or set it to 1",
             )
         return self
 

@@ -60,22 +60,30 @@ class TrainBatch:
 
     def rows(self, index: torch.Tensor, width: int = 0) -> TrainBatch:
         """A micro-batch, trimmed to its own longest sequence (or to `width`, if longer: right
-        padding, masked)."""
+        padding, masked, also past the batch's own width)."""
         width = max(int(self.lengths_N[index].max()), width)
+
+        def cols(tensor, size, fill=0):
+            part = tensor[index, :size]
+            if part.shape[1] < size:  # past the batch's width: pad (routes: -1, no record)
+                shape = (part.shape[0], size - part.shape[1], *part.shape[2:])
+                part = torch.cat([part, part.new_full(shape, fill)], 1)
+            return part
+
         return TrainBatch(
-            self.input_ids_NT[index, :width],
-            self.attention_mask_NT[index, :width],
-            self.loss_mask_NT[index, : width - 1],
-            self.old_logp_NT[index, : width - 1],
-            self.adv_NT[index, : width - 1],
+            cols(self.input_ids_NT, width),
+            cols(self.attention_mask_NT, width),
+            cols(self.loss_mask_NT, width - 1),
+            cols(self.old_logp_NT, width - 1),
+            cols(self.adv_NT, width - 1),
             self.lengths_N[index],
             self.versions_N[index],
             self.rewards_N[index],
             self.turn_pos_NK[index],
             self.turn_mask_NK[index],
-            None if self.routes_NTMK is None else self.routes_NTMK[index, :width],
-            None if self.routed_NT is None else self.routed_NT[index, :width],
-            None if self.versions_NT is None else self.versions_NT[index, : width - 1],
+            None if self.routes_NTMK is None else cols(self.routes_NTMK, width, -1),
+            None if self.routed_NT is None else cols(self.routed_NT, width),
+            None if self.versions_NT is None else cols(self.versions_NT, width - 1),
         )
 
 

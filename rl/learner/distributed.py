@@ -5,6 +5,9 @@ communication; with W ranks, rank 0 reads the stream and shares the batch, every
 its slice of the trajectories (the same number of micro-batches on every rank, as expert
 parallelism exchanges tokens in every forward), gradients are summed by FSDP2, metric sums are
 all-reduced, and full weights are gathered for a push. Letters: N = trajectories.
+With context parallelism (`context` C > 1) the C consecutive ranks of one data index train the
+same rows, each its shard of every sequence; their gradients are summed by `sync_context`, and
+metric sums and shared rows reduce over the W // C ranks of one context index (`data_group`).
 
 On CUDA the group has two backends (`backend_for`): NCCL for CUDA tensors (FSDP2's gathers and
 reductions, expert all-to-alls, the batch-wide logprob rows) and gloo for CPU tensors (the
@@ -57,12 +60,48 @@ def init_single(device: str = "cpu") -> None:
 
 
 class Shard:
-    def __init__(self, rank: int = 0, world: int = 1, ep_size: int = 1, device: str = "cpu"):
+    def __init__(
+        self, rank: int = 0, world: int = 1, ep_size: int = 1, device: str = "cpu",
+        context: int = 1,
+    ):  # fmt: skip
         self.rank, self.world, self.ep_size, self.device = rank, world, ep_size, device
+        self.context = context
+        """Context-parallel ranks (C): rank r trains the rows of data index r // C, the C ranks
+        of a data index split each sequence (policy/k3/context.py)."""
+        self._meshes = None
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank // self.context
+
+    @property
+    def data_world(self) -> int:
+        return self.world // self.context
+
+    def meshes(self):
+        """The group's device meshes (policy/parallel.py build_meshes), built on first use."""
+        if self._meshes is None:
+            from policy.parallel import build_meshes
+
+            self._meshes = build_meshes(
+                ep_size=self.ep_size, context=self.context, device_type=self.device
+            )
+        return self._meshes
+
+    @property
+    def context_group(self):
+        """The process group of the ranks sharing this rank's sequences; None without CP."""
+        return None if self.context == 1 else self.meshes().cp.get_group()
+
+    @property
+    def data_group(self):
+        """The ranks of this context index (each holds all of a batch's rows between them):
+        metric sums and shared rows reduce over it; None: every rank (no CP)."""
+        return None if self.context == 1 else self.meshes().dp.get_group()
 
     def prepare_model(self, model):
         """FSDP2 (+ expert parallel) when there are several ranks; the model itself otherwise."""
@@ -70,9 +109,9 @@ class Shard:
             return model
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        from policy.parallel import build_meshes, parallelize
+        from policy.parallel import parallelize
 
-        meshes = build_meshes(ep_size=self.ep_size, device_type=self.device)
+        meshes = self.meshes()
         mixed = None  # CPU: the model's own dtype throughout
         if self.device == "cuda":
             mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -94,8 +133,8 @@ class Shard:
     def micro_batches(self, order_N: torch.Tensor, size: int) -> list[torch.Tensor]:
         """This rank's rows of `order_N`, cut into the same number of pieces on every rank
         (a piece may be empty; the caller runs a zero-weight forward for it)."""
-        mine = torch.tensor_split(order_N, self.world)[self.rank]
-        count = max(1, math.ceil(math.ceil(len(order_N) / self.world) / size))
+        mine = torch.tensor_split(order_N, self.data_world)[self.data_rank]
+        count = max(1, math.ceil(math.ceil(len(order_N) / self.data_world) / size))
         return list(torch.tensor_split(mine, count))
 
     def max(self, value: int) -> int:
@@ -111,7 +150,7 @@ class Shard:
             return values
         keys = sorted(values)
         totals = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self.data_group)  # context ranks hold the same values
         return dict(zip(keys, totals.tolist(), strict=True))
 
     def sync_replicated(self, module: torch.nn.Module | None) -> None:
@@ -121,6 +160,16 @@ class Shard:
         for param in module.parameters():
             if param.grad is not None:
                 dist.all_reduce(param.grad)
+
+    def sync_context(self, params) -> None:
+        """Sum the gradients over the context ranks (each holds its shard's share; FSDP2 has
+        summed them over the data ranks): afterwards the context ranks' gradients are equal,
+        so are their optimizer steps."""
+        if self.context == 1:
+            return
+        for param in params:
+            if param.grad is not None:
+                dist.all_reduce(local(param.grad), group=self.context_group)
 
     def clip_grad_norm(self, params: list, max_norm: float) -> float:
         if self.world == 1:

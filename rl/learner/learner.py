@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from policy.k3.context import min_length, shard_bounds
 from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
 from rl import faults
 from rl.config.runfile import ConfigError, FaultsConfig, TrainerConfig
@@ -88,8 +89,10 @@ class Learner:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.model = model.eval()  # eval: no dropout in RL
         self.device = next(model.parameters()).device  # batches follow the model (cpu / cuda)
-        _check_segments(cfg, model)
-        trunk = TokenLogprobs(self.model, segment_tokens=cfg.segment_tokens)
+        _check_segments(cfg, model, self.shard.context)
+        trunk = TokenLogprobs(
+            self.model, segment_tokens=cfg.segment_tokens, context=self.shard.context_group
+        )
         self.trunk = self.shard.prepare_model(trunk)  # sharded from here
         self.value_head = None
         params = list(self.trunk.parameters())
@@ -310,11 +313,23 @@ class Learner:
     def _rows(self, batch: TrainBatch, index: torch.Tensor) -> TrainBatch:
         """A micro-batch; segmented on several ranks, padded to the widest of the ranks' pieces
         so that every rank runs the same number of segments (so of FSDP and EP collectives);
-        when no rank's piece is longer than a segment, every rank runs one forward unpadded."""
-        if not (self.cfg.segment_tokens and self.shard.world > 1):
-            return batch.rows(index)
+        when no rank's piece is longer than a segment, every rank runs one forward unpadded.
+        With context ranks, at least long enough that every context rank has a token."""
+        segment, context = self.cfg.segment_tokens, self.shard.context
+        shortest = min_length(context, segment) if context > 1 else 0
+        if not (segment and self.shard.world > 1):
+            return batch.rows(index, shortest)
         widest = self.shard.max(int(batch.lengths_N[index].max()))
-        return batch.rows(index, widest if widest > self.cfg.segment_tokens else 0)
+        pad = widest > segment * context or context > 1
+        return batch.rows(index, max(shortest, widest) if pad else 0)
+
+    def _shard_mask(self, mask_NT: torch.Tensor) -> torch.Tensor:
+        """The columns of `mask_NT` this rank's forward routes (all of them without CP)."""
+        if self.shard.context == 1:
+            return mask_NT
+        bounds = shard_bounds(mask_NT.shape[1], self.shard.context, self.cfg.segment_tokens)
+        rank = self.shard.rank % self.shard.context
+        return mask_NT[:, bounds[rank] : bounds[rank + 1]]
 
     def _logp(self, model, hidden, mb: TrainBatch) -> torch.Tensor:
         targets = mb.input_ids_NT[:, 1:]
@@ -377,7 +392,7 @@ class Learner:
             mb = self._rows(batch, index)
             width = mb.loss_mask_NT.shape[1]
             record = (
-                self.router_stats.record(token_mask=mb.attention_mask_NT)
+                self.router_stats.record(token_mask=self._shard_mask(mb.attention_mask_NT))
                 if self.router_stats and first_pass
                 else contextlib.nullcontext()
             )
@@ -427,6 +442,7 @@ class Learner:
             sums["loss"] += loss.item()
             sums["entropy"] += float((entropy.detach() * mb.loss_mask_NT * scale).sum())
             totals.add(stats)
+        self.shard.sync_context(self.trunk.parameters())
         self.shard.sync_replicated(self.value_head)
         grad_norm = self._optimizer_step()
         sums = self.shard.sum({**sums, **{f"stat.{k}": getattr(totals, k) for k in totals.SUMMED}})
@@ -474,8 +490,18 @@ class Learner:
         return self.version, {k.removeprefix("policy."): v for k, v in weights.items()}, None
 
 
-def _check_segments(cfg: TrainerConfig, model) -> None:
-    """trainer.segment_tokens needs a K3 policy: only its decoder carries state across segments."""
+def _check_segments(cfg: TrainerConfig, model, context: int = 1) -> None:
+    """trainer.segment_tokens and trainer.context_parallel need a K3 policy: only its decoder
+    carries state across segments (and shards)."""
+    if context > 1:
+        from policy.k3.modeling import K3Model
+
+        if not isinstance(model.get_decoder(), K3Model):
+            raise ConfigError(
+                "trainer.context_parallel",
+                f"context parallelism needs a K3 policy (the KDA state and MLA latents relayed "
+                f"between ranks); {type(model).__name__} has none: set it to 1",
+            )
     if not cfg.segment_tokens:
         return
     from policy.k3.modeling import K3Model

@@ -115,7 +115,7 @@ def share_rows(shard: Shard, *tensors: torch.Tensor | None) -> None:
         return
     for tensor in tensors:
         if tensor is not None:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=shard.data_group)  # context ranks: the same rows
 
 
 def largest(shard: Shard, value: float) -> float:

@@ -203,7 +203,8 @@ class LearnerHost:
         _quiet()
         self.args = (cfg, Path(model_dir), redis_url, run_id)
         device = torch_device(cfg.trainer.device).type  # resolved on the driver (rl/run/devices.py)
-        self.shard = Shard(rank, world, cfg.trainer.expert_parallel, device)
+        trainer = cfg.trainer
+        self.shard = Shard(rank, world, trainer.expert_parallel, device, trainer.context_parallel)
         self.followers: list = []
         self.learner = None
         self.publisher = Publisher(self._export_all, bucket_mb=cfg.weights.bucket_mb)

@@ -2,7 +2,8 @@
 directory (or the reverse), an empty directory, a run file that is not UTF-8, empty, or not YAML
 answers with one `agentrl: ...` line naming the problem and exits 2, never with a traceback;
 `agentrl check` builds the env once, so a kwarg value its constructor refuses is a config error;
-an unknown env id fails at once with the closest registered id; `agentrl plot --output PATH`.
+an unknown env id fails at once with the closest registered id; `agentrl plot --output PATH`;
+trainer.context_parallel sizes the learner mesh cannot hold are refused by `agentrl check`.
 Each command runs the CLI in a fresh process, as a user would."""
 
 from __future__ import annotations
@@ -267,3 +268,31 @@ def test_show_names_a_record_it_cannot_draw(place, monkeypatch):
     )
     with pytest.raises(show.ShowError, match="record '1-0/0' is malformed"):
         show.run(args)
+
+
+# 4. trainer.context_parallel: sizes the learner's mesh cannot hold, named before anything runs
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["trainer.world_size=4", "trainer.context_parallel=3"], "trainer.context_parallel"),
+        (["trainer.world_size=4", "trainer.context_parallel=2", "trainer.expert_parallel=4"],
+         "trainer.expert_parallel"),
+        (["trainer.world_size=2", "trainer.context_parallel=2", "trainer.algorithm=ppo"],
+         "trainer.context_parallel"),
+        (["trainer.world_size=2", "trainer.context_parallel=2", "policy.model_type=qwen3",
+          "policy.config={}"], "trainer.context_parallel"),
+    ],
+    ids=["not-dividing-world", "ep-over-data-ranks", "ppo", "not-k3"],
+)  # fmt: skip
+def test_check_refuses_context_sizes_the_mesh_cannot_hold(args, key):
+    refused(agentrl("check", QUICKSTART, *args), f"config error: {key}:")
+
+
+def test_check_accepts_context_parallel_with_expert_parallel():
+    proc = agentrl(
+        "check", QUICKSTART, "trainer.world_size=4", "trainer.context_parallel=2",
+        "trainer.expert_parallel=2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr

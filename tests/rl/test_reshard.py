@@ -38,10 +38,10 @@ def groups(model) -> list:
     return [make_group(model, [1.0, 0.0, 0.0, 1.0], seed=100 + i) for i in range(2 * STEPS + 2)]
 
 
-def learner(model, batches, rank=0, world=1, ep=1, skip=0, segment=0) -> Learner:
+def learner(model, batches, rank=0, world=1, ep=1, skip=0, segment=0, context=1) -> Learner:
     cfg = TrainerConfig(
         group_size=4, batch_size=8, micro_batch_size=2, lr=1e-3, world_size=world,
-        expert_parallel=ep, segment_tokens=segment,
+        expert_parallel=ep, segment_tokens=segment, context_parallel=context,
     )  # fmt: skip
     source = None
     if rank == 0:
@@ -49,7 +49,7 @@ def learner(model, batches, rank=0, world=1, ep=1, skip=0, segment=0) -> Learner
         source.entries = source.entries[skip:]  # the groups a resumed run reads next
     return Learner(
         cfg, model=model, source=source, pad_token_id=0, temperature=1.0, seed=5,
-        shard=Shard(rank, world, ep),
+        shard=Shard(rank, world, ep, context=context),
     )  # fmt: skip
 
 
