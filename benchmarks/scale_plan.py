@@ -10,9 +10,10 @@ as designed: context parallel, layer checkpoints inside segments, MLA attending 
 space), the transient gathered weights; communication per step (FSDP, EP all-to-all, CP);
 the weight push; the rollout cache of one 1M-token episode. Activation rates are measured by
 policy/k3/footprint.py (saved-tensor hooks on width-scaled probes, checked at a third width);
-everything else is arithmetic on the config and the constants below. The balanced context
-parallelism planned here is not built (policy/k3/context.py is a sequential relay the learner
-does not use yet): its rows are the design's volumes, not measurements.
+everything else is arithmetic on the config and the constants below. The context parallelism
+planned here, with context ranks working at the same time, is not built (the learner's
+trainer.context_parallel runs policy/k3/context.py, a sequential relay): its rows are the
+design's volumes, not measurements.
 """
 
 from __future__ import annotations

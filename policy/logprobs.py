@@ -206,29 +206,36 @@ class TokenLogprobs(torch.nn.Module):
             group=group, segment=self.segment_tokens or b - a,
             replay_experts=None if replay is None else [r[:, a:b] for r in replay],
         )  # fmt: skip
-        n = min(b, length - 1) - a
-        wanted_Bn = select_BT[:, a : a + n] if select_BT is not None else None
-        logp_Bn, entropy_Bn = head_logprobs(
-            self.policy,
-            hidden_BSD[:, :n],
-            input_ids_BT[:, a + 1 : a + 1 + n],
-            temperature=temperature,
-            select_BT=None if wanted_Bn is None else _at_least_one(wanted_Bn),
+        n = min(b, length - 1) - a  # positions that predict a token (the last rank: one less)
+        logp_Bn, entropy_Bn = _shard_logprobs(
+            self.policy, hidden_BSD, input_ids_BT, a, n, temperature, select_BT
         )
-        if wanted_Bn is not None:  # the stand-in position's values are not the caller's
-            logp_Bn, entropy_Bn = logp_Bn * wanted_Bn, entropy_Bn * wanted_Bn
         spread = (a, length - 1 - a - n)  # zeros at the other ranks' positions
         logp_BT = replicated_sum(torch.nn.functional.pad(logp_Bn, spread) + anchor, group)
         entropy_BT = replicated_sum(torch.nn.functional.pad(entropy_Bn, spread), group)
         return logp_BT, entropy_BT, None, None
 
 
-def _at_least_one(select_BT: torch.Tensor) -> torch.Tensor:
-    """`select_BT` with its first position taken if it takes none: the LM head then runs on
-    every rank whatever the data (its gradient 0 there), so that sharded ranks, whose FSDP2
-    reduces each parameter group when its gradients are ready, reduce in the same order."""
-    if select_BT.numel() == 0 or select_BT.any():
-        return select_BT
-    select_BT = select_BT.clone()
-    select_BT.view(-1)[0] = True
-    return select_BT
+def _shard_logprobs(policy, hidden_BSD, input_ids_BT, a: int, n: int, temperature, select_BT):
+    """(logprobs, entropy) [B, n] of a context rank's n predicting positions from position a.
+    The LM head runs on every rank whatever the data: a rank with no wanted position (n = 0,
+    or none selected) runs it on a stand-in position whose values are dropped (gradient 0), so
+    that every parameter has a gradient on every rank and sharded ranks, whose FSDP2 reduces
+    each parameter group when its gradients are ready, reduce in the same order."""
+    if n:
+        targets_Bm, m = input_ids_BT[:, a + 1 : a + 1 + n], n
+        wanted_Bm = None if select_BT is None else select_BT[:, a : a + n]
+    else:  # the last rank's single token predicts nothing
+        targets_Bm, m = input_ids_BT[:, a : a + 1], 1
+        wanted_Bm = torch.zeros_like(targets_Bm, dtype=torch.bool)
+    run_Bm = wanted_Bm
+    if wanted_Bm is not None and not wanted_Bm.any():
+        run_Bm = wanted_Bm.clone()
+        run_Bm[0, 0] = True
+    logp_Bm, entropy_Bm = head_logprobs(
+        policy, hidden_BSD[:, :m], targets_Bm, temperature=temperature, select_BT=run_Bm
+    )
+    if wanted_Bm is not None:  # the stand-in's values are not the caller's (where: no NaN)
+        logp_Bm = torch.where(wanted_Bm, logp_Bm, 0.0)
+        entropy_Bm = torch.where(wanted_Bm, entropy_Bm, 0.0)
+    return logp_Bm[:, :n], entropy_Bm[:, :n]

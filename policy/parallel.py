@@ -305,12 +305,15 @@ def parallelize(
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+    agree: dist.ProcessGroup | None = None,
+) -> torch.Tensor:  # fmt: skip
     """torch.nn.utils.clip_grad_norm_ for a parallelized model, whose gradients live on two
     meshes (the plain one fails there): each mesh's gradient norm is reduced over its mesh, the
     norms are combined, every gradient is scaled by min(1, max_norm / total). Returns the total
-    norm (the same on every rank). Collective."""
+    norm (the same on every rank). Collective. `agree`: ranks holding copies of the same
+    gradients (context ranks) take the largest of their totals, so that their copies of the
+    weights stay equal even where their reductions ran in another order."""
     params_by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = {}
     for param in parameters:
         if param.grad is not None:
@@ -321,6 +324,8 @@ def clip_grad_norm_(
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.nn.utils.get_total_norm(norms, norm_type)
+    if agree is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=agree)
     for params in params_by_mesh.values():  # one foreach per mesh: meshes cannot mix
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

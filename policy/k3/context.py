@@ -61,7 +61,8 @@ def context_hidden(decoder, input_ids_BS: Tensor, attention_mask_BS: Tensor | No
     )
     # 0 tied to the shard's last hidden state (so to the received carry): the backward reaches
     # _Recv, whose gradient the previous rank waits for, even if no loss token is in the shard
-    anchor = hidden_BSD[:, -1:, :1].sum() * 0
+    anchor = _Zero.apply(hidden_BSD[:, -1:, :1]) if hidden_BSD.requires_grad else None
+    anchor = hidden_BSD.new_zeros(()) if anchor is None else anchor
     if rank + 1 < world:
         dst, flat = dist.get_global_rank(group, rank + 1), _flatten(carry)
         header = _header(carry, flat)
@@ -76,16 +77,16 @@ def context_hidden(decoder, input_ids_BS: Tensor, attention_mask_BS: Tensor | No
 
 def shard_bounds(length: int, ranks: int, segment: int = 0) -> list[int]:
     """[0, ..., length]: rank r's shard of a `length`-token sequence is [b[r], b[r + 1]).
-    segment > 0: whole segments, the ceil(length / segment) segments split as evenly as counts
-    allow (earlier ranks take the extra one), so that the ranks together make exactly the calls
-    of one rank running the same segments; segment 0: `length` split as evenly. Raises when a
-    rank would get no token (pad the sequence to `min_length` first)."""
-    if length < min_length(ranks, segment):
+    segment > 0 and length >= min_length(ranks, segment): whole segments, the
+    ceil(length / segment) segments split as evenly as counts allow (earlier ranks take the
+    extra one), so that the ranks together make exactly the calls of one rank running the same
+    segments; otherwise (shorter, or segment 0) `length` split as evenly as tokens allow (each
+    shard then no longer than a segment). Raises when a rank would get no token."""
+    if length < ranks:
         raise ValueError(
-            f"{length} tokens leave a context rank without a token ({ranks} ranks"
-            f"{f', segments of {segment}' if segment else ''}): pad to {min_length(ranks, segment)}"
+            f"{length} tokens leave one of {ranks} context ranks without a token: pad to {ranks}"
         )
-    unit = segment or 1
+    unit = segment if segment and length >= min_length(ranks, segment) else 1
     units = -(-length // unit)
     counts = [units // ranks + (r < units % ranks) for r in range(ranks)]
     bounds = [0]
@@ -95,7 +96,7 @@ def shard_bounds(length: int, ranks: int, segment: int = 0) -> list[int]:
 
 
 def min_length(ranks: int, segment: int = 0) -> int:
-    """The shortest sequence whose shards (`shard_bounds`) all hold a token."""
+    """The shortest sequence split into whole segments (`shard_bounds`) with a token per rank."""
     return (ranks - 1) * (segment or 1) + 1
 
 
@@ -104,6 +105,20 @@ def replicated_sum(x: Tensor, group) -> Tensor:
     way from the sum: the backward hands each rank the sum's gradient unchanged (its own
     summand's), so the ranks' parameter gradients add up to the whole loss's."""
     return _ReplicatedSum.apply(x, group)
+
+
+class _Zero(torch.autograd.Function):
+    """0, with a zero gradient for x (never NaN, whatever x holds)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.spec = (x.shape, x.dtype, x.device)
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        shape, dtype, device = ctx.spec
+        return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class _ReplicatedSum(torch.autograd.Function):

@@ -141,8 +141,8 @@ class Shard:
         """The largest `value` over the ranks."""
         if self.world == 1:
             return value
-        out = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        out = torch.tensor([value], dtype=torch.int64)  # context ranks: the same value
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.data_group)
         return int(out)
 
     def sum(self, values: dict[str, float]) -> dict[str, float]:
@@ -163,20 +163,30 @@ class Shard:
 
     def sync_context(self, params) -> None:
         """Sum the gradients over the context ranks (each holds its shard's share; FSDP2 has
-        summed them over the data ranks): afterwards the context ranks' gradients are equal,
-        so are their optimizer steps."""
+        summed them over the data ranks), in buckets of one dtype: afterwards the context
+        ranks' gradients are equal, so are their optimizer steps. A parameter without a
+        gradient on this rank but with one on another gets zeros first."""
         if self.context == 1:
             return
-        for param in params:
-            if param.grad is not None:
-                dist.all_reduce(local(param.grad), group=self.context_group)
+        params = list(params)
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.context_group)
+        for param, flag in zip(params, has.tolist(), strict=True):
+            if flag and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [local(p.grad) for p in params if p.grad is not None]
+        for bucket in _buckets(grads, 1 << 26):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=self.context_group)
+            for grad, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+                grad.copy_(part.view_as(grad))
 
     def clip_grad_norm(self, params: list, max_norm: float) -> float:
         if self.world == 1:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         from policy.parallel import clip_grad_norm_
 
-        return float(clip_grad_norm_(params, max_norm))
+        return float(clip_grad_norm_(params, max_norm, agree=self.context_group))
 
     def full_weights(self, model) -> dict[str, np.ndarray]:
         """Unsharded weights as numpy (on rank 0; {} elsewhere). Every rank must call it."""
@@ -188,6 +198,23 @@ class Shard:
 
         full = full_state_dict(model, rank0_only=True)
         return {k: v.detach().cpu().contiguous().numpy().copy() for k, v in full.items()}
+
+
+def _buckets(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of tensors of one dtype and device, each of at most `cap` elements (or
+    one larger tensor)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        last = out[-1][-1] if out else None
+        same = last is not None and (last.dtype, last.device) == (tensor.dtype, tensor.device)
+        if same and size + tensor.numel() <= cap:
+            out[-1].append(tensor)
+            size += tensor.numel()
+        else:
+            out.append([tensor])
+            size = tensor.numel()
+    return out
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

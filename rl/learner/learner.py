@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from policy.k3.context import min_length, shard_bounds
+from policy.k3.context import shard_bounds
 from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
 from rl import faults
 from rl.config.runfile import ConfigError, FaultsConfig, TrainerConfig
@@ -202,6 +202,8 @@ class Learner:
         mini-batch. The old logprobs (behaviour, or proximal for decoupled), PPO's values and
         returns and the reference logprobs are computed once, before the first step."""
         cfg = self.cfg
+        if batch.input_ids_NT.shape[1] < self.shard.context:  # a token for every context rank
+            batch = batch.rows(torch.arange(batch.size), self.shard.context)
         order = torch.randperm(batch.size, generator=self.generator)
         prep = self._prepare(batch, self.shard.micro_batches(order, cfg.micro_batch_size))
         metrics = {
@@ -316,7 +318,7 @@ class Learner:
         when no rank's piece is longer than a segment, every rank runs one forward unpadded.
         With context ranks, at least long enough that every context rank has a token."""
         segment, context = self.cfg.segment_tokens, self.shard.context
-        shortest = min_length(context, segment) if context > 1 else 0
+        shortest = context if context > 1 else 0  # a token for every context rank
         if not (segment and self.shard.world > 1):
             return batch.rows(index, shortest)
         widest = self.shard.max(int(batch.lengths_N[index].max()))

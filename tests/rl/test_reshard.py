@@ -38,10 +38,12 @@ def groups(model) -> list:
     return [make_group(model, [1.0, 0.0, 0.0, 1.0], seed=100 + i) for i in range(2 * STEPS + 2)]
 
 
-def learner(model, batches, rank=0, world=1, ep=1, skip=0, segment=0, context=1) -> Learner:
+def learner(
+    model, batches, rank=0, world=1, ep=1, skip=0, segment=0, context=1, **extra
+) -> Learner:
     cfg = TrainerConfig(
         group_size=4, batch_size=8, micro_batch_size=2, lr=1e-3, world_size=world,
-        expert_parallel=ep, segment_tokens=segment, context_parallel=context,
+        expert_parallel=ep, segment_tokens=segment, context_parallel=context, **extra,
     )  # fmt: skip
     source = None
     if rank == 0:

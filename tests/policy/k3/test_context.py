@@ -2,7 +2,8 @@
 equals one process over the whole sequence, in float64 k3-debug (KDA + MLA, AttnRes, MoE): every
 rank's hidden states, and the parameter gradients summed over the ranks (a loss on every
 position, left padding in one row, checkpointed segments inside each shard so that the relayed
-carry holds several latent chunks)."""
+carry holds several latent chunks); and the learner's trunk (TokenLogprobs with a context
+group) against one process, also where a rank has no loss position or predicts nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from policy.k3.context import context_hidden
+from policy.logprobs import TokenLogprobs
 from tests.policy.k3.test_engine import make_model
 from tests.policy.test_parallel import run_ranks
 
@@ -82,3 +84,60 @@ def test_context_ranks_forward_only(tmp_path):
     got_BTD = torch.cat([torch.load(tmp_path / f"rank{r}.pt")["hidden"] for r in range(2)], 1)
     real_BT = mask_BT.bool()
     torch.testing.assert_close(got_BTD[real_BT], hidden_BTD[real_BT], atol=1e-10, rtol=1e-10)
+
+
+# --------------------------------------------------------------------------- the learner's trunk
+
+
+def trunk_inputs(length: int):
+    """ids [2, length], a mask, loss positions only in the sequence's second half (so the first
+    context rank often has none), weights for the loss."""
+    gen = torch.Generator().manual_seed(2)
+    ids_BT = torch.randint(1, 512, (BATCH, length), generator=gen)
+    mask_BT = torch.ones(BATCH, length, dtype=torch.long)
+    select_BT = torch.zeros(BATCH, length - 1, dtype=torch.bool)
+    select_BT[:, (length - 1) // 2 :] = True
+    weight_BT = torch.randn(BATCH, length - 1, generator=gen, dtype=F64)
+    return ids_BT, mask_BT, select_BT, weight_BT
+
+
+def trunk_loss(trunk, length: int):
+    ids_BT, mask_BT, select_BT, weight_BT = trunk_inputs(length)
+    logp_BT, entropy_BT, _, _ = trunk(ids_BT, mask_BT, 1.0, select_BT)
+    (logp_BT * weight_BT + 0.1 * entropy_BT).sum().backward()
+    return logp_BT.detach(), entropy_BT.detach()
+
+
+def _trunk_rank(rank, world, length, out_dir) -> None:
+    model = make_model(F64)
+    trunk = TokenLogprobs(model, segment_tokens=4, context=dist.group.WORLD)
+    logp_BT, entropy_BT = trunk_loss(trunk, length)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    missing = sorted(name for name, grad in grads.items() if grad is None)
+    grads = {name: grad for name, grad in grads.items() if grad is not None}
+    for grad in grads.values():
+        dist.all_reduce(grad)
+    out = {"logp": logp_BT, "entropy": entropy_BT, "grads": grads, "missing": missing}
+    torch.save(out, f"{out_dir}/trunk{rank}.pt")
+
+
+@pytest.mark.parametrize("length", [13, 5, 3], ids=["segments", "last-rank-one-token", "short"])
+def test_context_trunk_equals_one_process(length, tmp_path):
+    """TokenLogprobs with a context group (the learner's trunk): every rank returns the whole
+    sequence's logprobs and entropy, and the summed gradients equal one process's, also when a
+    rank has no loss position (the LM head runs on a stand-in there, so every parameter has a
+    gradient on every rank, as the learner's gradient sum over the context ranks needs: 13
+    tokens in segments of 4 give [0, 8, 13], 5 give [0, 4, 5] (the last rank predicts
+    nothing), 3 are split by tokens, [0, 2, 3])."""
+    run_ranks(_trunk_rank, length, str(tmp_path), world=2)
+    model = make_model(F64)
+    want_logp, want_entropy = trunk_loss(TokenLogprobs(model, segment_tokens=4), length)
+    want = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    unused = sorted(name for name, p in model.named_parameters() if p.grad is None)
+    for rank in range(2):
+        out = torch.load(tmp_path / f"trunk{rank}.pt")
+        assert out["missing"] == unused, out["missing"]  # (layer 0's AttnRes has one source)
+        torch.testing.assert_close(out["logp"], want_logp, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(out["entropy"], want_entropy, atol=1e-10, rtol=1e-10)
+        for name, grad in want.items():
+            torch.testing.assert_close(out["grads"][name], grad, atol=1e-10, rtol=1e-8, msg=name)
