@@ -1,7 +1,7 @@
 """One long trajectory's learner forward + backward on 1 rank against 2 context ranks (issue 20).
 
 Run: .venv/bin/python benchmarks/context_parallel.py [--tokens 65536] [--segment 4096]
-     [--ranks 1 2]
+     [--ranks 1 2] [--together]
 
 k3-tiny (float32, random weights), batch 1, `--tokens` random ids. Each rank count runs in its
 own spawned gloo process group, one torch thread per rank:
@@ -87,14 +87,28 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--segment", type=int, default=4096)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    together = "run the rank counts at the same time (the 2-rank relay computes on one rank"
+    together += " at a time; on 2 cores the 1-rank run takes the other core)"
+    parser.add_argument("--together", action="store_true", help=together)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
+        runs = []
         for world in args.ranks:
             print(f"{world} rank(s), {args.tokens} tokens ...", file=sys.stderr, flush=True)
-            mp.start_processes(rank_step, args=(world, free_port(), args, out), nprocs=world,
-                               start_method="spawn")  # fmt: skip
-            for rank in range(world):
-                print(Path(out, f"{world}-{rank}.json").read_text(), flush=True)
+            ctx = mp.start_processes(rank_step, args=(world, free_port(), args, out),
+                                     nprocs=world, join=False, start_method="spawn")  # fmt: skip
+            runs.append((world, ctx))
+            if not args.together:
+                _finish(world, ctx, out)
+        for world, ctx in runs if args.together else []:
+            _finish(world, ctx, out)
+
+
+def _finish(world: int, ctx, out: str) -> None:
+    while not ctx.join():
+        pass
+    for rank in range(world):
+        print(Path(out, f"{world}-{rank}.json").read_text(), flush=True)
 
 
 if __name__ == "__main__":

@@ -102,8 +102,9 @@ def state_bytes(split: dict[str, int], devices: int, scheme: dict[str, int]) -> 
 
 
 def activations_as_built(config, rates, tokens: int, segment: int) -> dict[str, float]:
-    """The segmented learner as built: one rank holds the whole episode (the learner splits no
-    episode across ranks), a segment is one checkpoint of all layers, and each
+    """The segmented learner as built on one rank: it holds the whole episode (context ranks,
+    trainer.context_parallel, split it in sequence), a segment is one checkpoint of all layers,
+    and each
     segment's recomputation expands every earlier key per MLA head. Peak at the backward of
     the last segment (what tests/test_scale_plan.py measures on k3-debug)."""
     per_token = footprint.learner_carry(config, segment)

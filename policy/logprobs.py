@@ -224,7 +224,7 @@ def _shard_logprobs(policy, hidden_BSD, input_ids_BT, a: int, n: int, temperatur
     each parameter group when its gradients are ready, reduce in the same order."""
     if n:
         targets_Bm, m = input_ids_BT[:, a + 1 : a + 1 + n], n
-        wanted_Bm = None if select_BT is None else select_BT[:, a : a + n]
+        wanted_Bm = None if select_BT is None else select_BT[:, a : a + n].bool()
     else:  # the last rank's single token predicts nothing
         targets_Bm, m = input_ids_BT[:, a : a + 1], 1
         wanted_Bm = torch.zeros_like(targets_Bm, dtype=torch.bool)

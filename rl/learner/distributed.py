@@ -138,7 +138,9 @@ class Shard:
         return list(torch.tensor_split(mine, count))
 
     def max(self, value: int) -> int:
-        """The largest `value` over the ranks."""
+        """The largest `value` over the data ranks of this context index (all ranks without
+        context parallelism): for values that context ranks share, such as a micro-batch's
+        width."""
         if self.world == 1:
             return value
         out = torch.tensor([value], dtype=torch.int64)  # context ranks: the same value

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from policy.k3.context import shard_bounds
+from policy.k3.context import min_length, shard_bounds
 from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
 from rl import faults
 from rl.config.runfile import ConfigError, FaultsConfig, TrainerConfig
@@ -316,14 +316,17 @@ class Learner:
         """A micro-batch; segmented on several ranks, padded to the widest of the ranks' pieces
         so that every rank runs the same number of segments (so of FSDP and EP collectives);
         when no rank's piece is longer than a segment, every rank runs one forward unpadded.
-        With context ranks, at least long enough that every context rank has a token."""
+        With context ranks: at least a token per context rank, and padded to the widest once
+        that is split into whole segments (shorter micro-batches are split by tokens: one
+        forward per shard whatever the width)."""
         segment, context = self.cfg.segment_tokens, self.shard.context
         shortest = context if context > 1 else 0  # a token for every context rank
         if not (segment and self.shard.world > 1):
             return batch.rows(index, shortest)
         widest = self.shard.max(int(batch.lengths_N[index].max()))
-        pad = widest > segment * context or context > 1
-        return batch.rows(index, max(shortest, widest) if pad else 0)
+        # with context ranks: shards of whole segments once the widest has one per rank
+        pad = widest >= min_length(context, segment) if context > 1 else widest > segment
+        return batch.rows(index, max(shortest, widest) if pad else shortest)
 
     def _shard_mask(self, mask_NT: torch.Tensor) -> torch.Tensor:
         """The columns of `mask_NT` this rank's forward routes (all of them without CP)."""

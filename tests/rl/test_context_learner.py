@@ -9,7 +9,7 @@ so Quantile Balancing sees the same candidates):
 - context 2 on 2 ranks: 3 learner steps (3 AdamW steps, QB after each) equal one rank's to
   1e-11, weights, AdamW moments and losses; the checkpoint it wrote before the third step loads
   into one rank (context 1) with the same state, bit for bit, and that rank's third step
-  matches the 2 ranks' third;
+  matches the 2 ranks' third; one rank's checkpoint loads into context 2 bit for bit;
 - context 2 x expert 2 on 4 ranks (2 data x 2 context; FSDP2 and 2-way EP over the 2 ranks of
   each context index): 3 steps equal one rank's;
 - context 2 with decoupled PPO (proximal logprobs from a no-grad pass) and a KL reference, in
@@ -45,7 +45,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _ranks(rank, world, tmp, staged, ep) -> None:
+def _ranks(rank, world, tmp, staged, ep, load_from="") -> None:
     model = make_model(torch.float64)
     batches = groups(model) if rank == 0 else []
     trained = learner(model, batches, rank, world, ep=ep, segment=SEGMENT, context=2)
@@ -58,15 +58,28 @@ def _ranks(rank, world, tmp, staged, ep) -> None:
     out = dict(losses=losses, trained=full_state(trained))
     if staged:
         out["saved"] = saved
+    if load_from:  # one rank's checkpoint into context 2
+        fresh = learner(make_model(torch.float64, seed=1), [], rank, world, ep=ep, context=2)
+        fresh.load(Path(load_from))
+        out["loaded"] = full_state(fresh)
     if rank == 0:
         torch.save(out, Path(tmp) / f"world{world}.pt")
 
 
-def _one_rank():
+def _one_rank(save_to: Path | None = None):
+    """One segmented rank's STEPS steps -> (losses, final state, state when saved or None);
+    with `save_to`, a committed checkpoint there before the last step."""
     model = make_model(torch.float64)
     one = learner(model, groups(model), segment=SEGMENT)
-    losses = [one.step()["learner/loss"] for _ in range(STEPS)]
-    return losses, full_state(one)
+    losses, saved = [], None
+    for step in range(STEPS):
+        if step == STEPS - 1 and save_to is not None:
+            staged = ckpt.staging_dir(save_to, step)
+            one.save(staged)
+            ckpt.commit(save_to, staged, step)
+            saved = full_state(one)
+        losses.append(one.step()["learner/loss"])
+    return losses, full_state(one), saved
 
 
 def _max_diff(got: dict, want: dict) -> float:
@@ -89,11 +102,13 @@ def _assert_like_one(got: dict, losses: list, want: dict) -> float:
 
 def test_two_context_ranks_train_like_one_and_reshard_to_one(tmp_path):
     started = time.monotonic()
+    losses, want, one_saved = _one_rank(save_to=tmp_path / "one")
     staged = ckpt.staging_dir(tmp_path / "two", STEPS - 1)
-    run_ranks(_ranks, str(tmp_path), str(staged), 1, world=2, timeout=240)
+    one_path = str(ckpt.latest(tmp_path / "one"))
+    run_ranks(_ranks, str(tmp_path), str(staged), 1, one_path, world=2, timeout=240)
     two = torch.load(tmp_path / "world2.pt", weights_only=False)
-    losses, want = _one_rank()
     weights = _assert_like_one(two, losses, want)
+    assert_same_state(two["loaded"], one_saved)  # context 1 -> context 2
 
     path = ckpt.commit(tmp_path / "two", staged, STEPS - 1)
     batches = groups(make_model(torch.float64))  # the run's data; weights from the checkpoint
@@ -112,7 +127,7 @@ def test_context_two_by_expert_two_on_four_ranks_train_like_one(tmp_path):
     started = time.monotonic()
     run_ranks(_ranks, str(tmp_path), "", 2, world=4, timeout=400)
     four = torch.load(tmp_path / "world4.pt", weights_only=False)
-    losses, want = _one_rank()
+    losses, want, _ = _one_rank()
     weights = _assert_like_one(four, losses, want)
     print(f"context 2 x EP 2: {time.monotonic() - started:.1f} s; weights {weights:.1e}")
 
