@@ -29,20 +29,13 @@ from rl.learner import checkpoint as ckpt
 from tests.policy.k3.test_engine import make_model
 from tests.policy.test_parallel import run_ranks
 from tests.rl.test_reshard import assert_same_state, full_state, groups, learner
+from tests.rl.test_sharded_k3 import _one_thread  # noqa: F401 (autouse: one torch thread)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 STEPS = 3
 SEGMENT = 4
 TOLERANCE = 1e-11  # float64, the ranks differ from one process only by reduction order
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _ranks(rank, world, tmp, staged, ep, load_from="") -> None:
