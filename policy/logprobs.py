@@ -196,11 +196,11 @@ class TokenLogprobs(torch.nn.Module):
         anchor rides on the logprobs so that the carry's gradient goes back)."""
         import torch.distributed as dist
 
-        from policy.k3.context import context_hidden, replicated_sum, shard_bounds
+        from policy.k3.context import context_hidden, replicated_sum, shard_span
 
         group, length = self.context, input_ids_BT.shape[1]
-        bounds = shard_bounds(length, dist.get_world_size(group), self.segment_tokens)
-        a, b = bounds[dist.get_rank(group)], bounds[dist.get_rank(group) + 1]
+        ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+        a, b = shard_span(length, ranks, rank, self.segment_tokens)
         hidden_BSD, anchor = context_hidden(
             self.policy.get_decoder(), input_ids_BT[:, a:b], attention_mask_BT[:, a:b],
             group=group, segment=self.segment_tokens or b - a,

@@ -61,8 +61,10 @@ def context_hidden(decoder, input_ids_BS: Tensor, attention_mask_BS: Tensor | No
     )
     # 0 tied to the shard's last hidden state (so to the received carry): the backward reaches
     # _Recv, whose gradient the previous rank waits for, even if no loss token is in the shard
-    anchor = _Zero.apply(hidden_BSD[:, -1:, :1]) if hidden_BSD.requires_grad else None
-    anchor = hidden_BSD.new_zeros(()) if anchor is None else anchor
+    if hidden_BSD.requires_grad:
+        anchor = _Zero.apply(hidden_BSD[:, -1:, :1])
+    else:
+        anchor = hidden_BSD.new_zeros(())
     if rank + 1 < world:
         dst, flat = dist.get_global_rank(group, rank + 1), _flatten(carry)
         header = _header(carry, flat)
@@ -93,6 +95,12 @@ def shard_bounds(length: int, ranks: int, segment: int = 0) -> list[int]:
     for count in counts:
         bounds.append(min(length, bounds[-1] + count * unit))
     return bounds
+
+
+def shard_span(length: int, ranks: int, rank: int, segment: int = 0) -> tuple[int, int]:
+    """Rank `rank`'s shard [a, b) of `shard_bounds(length, ranks, segment)`."""
+    bounds = shard_bounds(length, ranks, segment)
+    return bounds[rank], bounds[rank + 1]
 
 
 def min_length(ranks: int, segment: int = 0) -> int:

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from policy.k3.context import min_length, shard_bounds
+from policy.k3.context import min_length, shard_span
 from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
 from rl import faults
 from rl.config.runfile import ConfigError, FaultsConfig, TrainerConfig
@@ -332,9 +332,10 @@ class Learner:
         """The columns of `mask_NT` this rank's forward routes (all of them without CP)."""
         if self.shard.context == 1:
             return mask_NT
-        bounds = shard_bounds(mask_NT.shape[1], self.shard.context, self.cfg.segment_tokens)
-        rank = self.shard.rank % self.shard.context
-        return mask_NT[:, bounds[rank] : bounds[rank + 1]]
+        context = self.shard.context
+        a, b = shard_span(mask_NT.shape[1], context, self.shard.rank % context,
+                          self.cfg.segment_tokens)  # fmt: skip
+        return mask_NT[:, a:b]
 
     def _logp(self, model, hidden, mb: TrainBatch) -> torch.Tensor:
         targets = mb.input_ids_NT[:, 1:]
@@ -498,25 +499,21 @@ class Learner:
 def _check_segments(cfg: TrainerConfig, model, context: int = 1) -> None:
     """trainer.segment_tokens and trainer.context_parallel need a K3 policy: only its decoder
     carries state across segments (and shards)."""
-    if context > 1:
-        from policy.k3.modeling import K3Model
-
-        if not isinstance(model.get_decoder(), K3Model):
-            raise ConfigError(
-                "trainer.context_parallel",
-                f"context parallelism needs a K3 policy (the KDA state and MLA latents relayed "
-                f"between ranks); {type(model).__name__} has none: set it to 1",
-            )
-    if not cfg.segment_tokens:
-        return
+    wanted = [
+        ("trainer.context_parallel", context > 1, "context parallelism", "relayed between ranks",
+         1),
+        ("trainer.segment_tokens", bool(cfg.segment_tokens), "segmented training",
+         "carried between segments", 0),
+    ]  # fmt: skip
     from policy.k3.modeling import K3Model
 
-    if not isinstance(model.get_decoder(), K3Model):
-        raise ConfigError(
-            "trainer.segment_tokens",
-            f"segmented training needs a K3 policy (KDA state and MLA latents carried between "
-            f"segments); {type(model).__name__} has none: set it to 0",
-        )
+    for key, on, what, how, off in wanted:
+        if on and not isinstance(model.get_decoder(), K3Model):
+            raise ConfigError(
+                key,
+                f"{what} needs a K3 policy (KDA state and MLA latents {how}); "
+                f"{type(model).__name__} has none: set it to {off}",
+            )
 
 
 def _router_stats(model):
