@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,20 +56,20 @@ def decode(model, exact: bool, episodes: int, tokens: int) -> tuple[float, Traje
     prompts = [torch.randint(3, vocab, (int(torch.randint(20, 60, (1,), generator=gen)),),
                              generator=gen).tolist() for _ in keys]  # fmt: skip
     started = time.perf_counter()
-    routes = session.add(keys, prompts)
+    routes = [[r] for r in session.add(keys, prompts)]  # per key: int16 [n, M, Kx] chunks
     sampled = {k: ([], []) for k in keys}
     for _ in range(tokens):
         for key, out in zip(keys, session.step(keys, PARAMS), strict=True):
             sampled[key][0].append(out.token)
             sampled[key][1].append(out.logprob)
-            routes[keys.index(key)] += out.routes
+            routes[keys.index(key)].append(out.routes)
     seconds = time.perf_counter() - started
     trajs = []
     for i, (key, prompt) in enumerate(zip(keys, prompts, strict=True)):
         traj = Trajectory(task_id="t", status=RolloutStatus.COMPLETED, reward=float(i % 2))
         traj.append(prompt, sampled=False)
         traj.append(sampled[key][0], sampled=True, logprobs=sampled[key][1], version=0)
-        traj.routed_experts = routes[i][: len(traj.token_ids) - 1]
+        traj.routed_experts = np.concatenate(routes[i])[: len(traj.token_ids) - 1]
         trajs.append(traj)
     return seconds, TrajectoryGroup(group_id="1-0", task_id="t", trajectories=trajs)
 

@@ -1,14 +1,18 @@
 """The learner's forward + backward on one long trajectory: one forward vs segments.
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/long_learner.py [--lengths 4096 16384]
-     [--segment 1024] [--threads 2] [--modes whole segmented kimilinear qwen3]
+     [--segment 1024] [--threads 2] [--sampled 0.5]
+     [--modes whole segmented expanded kimilinear qwen3]
 
 k3-tiny (hidden 96, 4 layers: KDA, KDA, KDA, MLA; 48 experts), float32, batch 1, the learner's
 own path (policy.logprobs.TokenLogprobs: decoder, then the LM head at the sampled positions
 only, here the second half of the trajectory) and a policy-gradient-shaped loss, backward.
 "whole" is trainer.segment_tokens 0 (one decoder forward over T), "segmented" is
 trainer.segment_tokens = --segment (policy/k3/segments.py: carried KDA state and MLA latents,
-one activation checkpoint per segment). Each (mode, length) runs in a fresh subprocess so that
+one activation checkpoint per segment; a later segment's MLA attends over the earlier latents,
+absorbed: mla.py `choose_form`); "expanded" is "segmented" with the later segments' MLA in its
+naive form (per-head keys and values of every earlier token: the learner before issue 19).
+Each (mode, length) runs in a fresh subprocess so that
 its peak RSS is its own; printed: peak RSS growth over the RSS just before the step and the
 wall time of forward + backward (one run after a warm-up at T = 512).
 
@@ -35,35 +39,40 @@ from policy.k3 import K3ForCausalLM, k3_preset
 from policy.logprobs import TokenLogprobs
 
 
-def batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(length: int, sampled: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids [1, T] and the loss positions [1, T-1]: the last `sampled` share of them (an
+    agent's own tokens; about 0.004 of a long agentic episode, the rest tool output)."""
     ids_BT = torch.randint(1, 768, (1, length), generator=torch.Generator().manual_seed(0))
     select_BT = torch.zeros(1, length - 1, dtype=torch.bool)
-    select_BT[:, length // 2 :] = True
+    select_BT[:, length - 1 - max(1, int((length - 1) * sampled)) :] = True
     return ids_BT, select_BT
 
 
-def step(trunk: TokenLogprobs, length: int) -> None:
-    ids_BT, select_BT = batch(length)
+def step(trunk: TokenLogprobs, length: int, sampled: float) -> None:
+    ids_BT, select_BT = batch(length, sampled)
     logp_BT, _, _, _ = trunk(ids_BT, torch.ones_like(ids_BT), 1.0, select_BT)
     (-(logp_BT * select_BT).sum() / select_BT.sum()).backward()
 
 
-def peer_step(model, length: int) -> None:
+def peer_step(model, length: int, sampled: float) -> None:
     """The same loss through a transformers model: its decoder, the head on selected rows."""
-    ids_BT, select_BT = batch(length)
+    ids_BT, select_BT = batch(length, sampled)
     hidden_BTD = model.model(input_ids=ids_BT, use_cache=False).last_hidden_state[:, :-1]
     logits_ND = model.lm_head(hidden_BTD[select_BT]).float()
     logp_N = logits_ND.log_softmax(-1).gather(-1, ids_BT[:, 1:][select_BT][:, None])[:, 0]
     (-logp_N.mean()).backward()
 
 
-def build(mode: str, segment: int):
+def build(mode: str, segment: int, sampled: float):
     """(model, one step at length T) for a mode."""
     cfg = k3_preset("k3-tiny")
-    if mode in ("whole", "segmented"):
+    if mode in ("whole", "segmented", "expanded"):
         model = K3ForCausalLM(cfg).eval()
-        trunk = TokenLogprobs(model, segment_tokens=segment if mode == "segmented" else 0)
-        return model, lambda length: step(trunk, length)
+        for layer in model.model.layers:  # expanded: later segments' MLA in its naive form
+            if not layer.is_kda:
+                layer.self_attn.absorb_past = mode != "expanded"
+        trunk = TokenLogprobs(model, segment_tokens=0 if mode == "whole" else segment)
+        return model, lambda length: step(trunk, length, sampled)
     from benchmarks.decode_speed import kimi_linear_peer, qwen3_peer
 
     if mode == "kimilinear":
@@ -71,15 +80,15 @@ def build(mode: str, segment: int):
     else:
         model = qwen3_peer(cfg, sum(p.numel() for p in K3ForCausalLM(cfg).parameters()))[0]
     model.config._attn_implementation = "sdpa"
-    return model, lambda length: peer_step(model, length)
+    return model, lambda length: peer_step(model, length, sampled)
 
 
-def measure(mode: str, length: int, segment: int, threads: int, mem_gb: float) -> dict:
-    cap = int(mem_gb * 2**30)
+def measure(mode: str, length: int, args) -> dict:
+    cap = int(args.mem_gb * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, run = build(mode, segment)
+    model, run = build(mode, args.segment, args.sampled)
     run(512)  # warm-up
     model.zero_grad(set_to_none=True)
     before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -99,7 +108,8 @@ def measure(mode: str, length: int, segment: int, threads: int, mem_gb: float) -
 def child(mode: str, length: int, args) -> str:
     """One (mode, T) in a fresh process: its table cells."""
     cmd = [sys.executable, __file__, "--one", mode, str(length), "--segment", str(args.segment),
-           "--threads", str(args.threads), "--mem-gb", str(args.mem_gb)]  # fmt: skip
+           "--threads", str(args.threads), "--mem-gb", str(args.mem_gb),
+           "--sampled", str(args.sampled)]  # fmt: skip
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit)
     except subprocess.TimeoutExpired:
@@ -118,17 +128,20 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--segment", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=["whole", "segmented"],
-                        choices=["whole", "segmented", "kimilinear", "qwen3"])  # fmt: skip
+    modes = ["whole", "segmented", "expanded", "kimilinear", "qwen3"]
+    parser.add_argument("--modes", nargs="+", default=modes[:2], choices=modes)
+    parser.add_argument("--sampled", type=float, default=0.5,
+                        help="share of positions in the loss (the last ones)")  # fmt: skip
     parser.add_argument("--mem-gb", type=float, default=16.0, help="address-space cap per case")
     parser.add_argument("--time-limit", type=float, default=1800.0, help="seconds per case")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # child: mode length
     args = parser.parse_args()
     if args.one:
         mode, length = args.one[0], int(args.one[1])
-        print(json.dumps(measure(mode, length, args.segment, args.threads, args.mem_gb)))
+        print(json.dumps(measure(mode, length, args)))
         return
-    print(f"| mode (segment {args.segment}) | T | peak RSS growth | fwd+bwd |")
+    print(f"| mode (segment {args.segment}, sampled {args.sampled:g}) | T | peak RSS growth "
+          "| fwd+bwd |")  # fmt: skip
     print("|---|---|---|---|")
     for length in args.lengths:
         for mode in args.modes:

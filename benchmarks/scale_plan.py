@@ -104,11 +104,10 @@ def state_bytes(split: dict[str, int], devices: int, scheme: dict[str, int]) -> 
 def activations_as_built(config, rates, tokens: int, segment: int) -> dict[str, float]:
     """The segmented learner as built on one rank: it holds the whole episode (context ranks,
     trainer.context_parallel, split it in sequence), a segment is one checkpoint of all layers,
-    and each
-    segment's recomputation expands every earlier key per MLA head. Peak at the backward of
-    the last segment (what tests/test_scale_plan.py measures on k3-debug)."""
+    and each segment's recomputation attends over every earlier latent (absorbed MLA). Peak at
+    the backward of the last segment (what tests/test_scale_plan.py measures on k3-debug)."""
     per_token = footprint.learner_carry(config, segment)
-    per_key = footprint.learner_keys(config, rates, absorbed=False)
+    per_key = footprint.learner_keys(config, rates)
     out = {
         "carry": tokens * per_token["total"],
         "earlier_keys": tokens * per_key["total"],
@@ -133,7 +132,7 @@ def activations_design(config, rates, mesh, segment: int, head_chunk: int) -> di
     widest = max(rates["kind_per_token"][footprint.layer_kind(config, i)]
                  for i in range(config.num_hidden_layers))  # fmt: skip
     site = max(rates["attn_res_per_site"].values(), default=0.0)
-    keys = footprint.learner_keys(config, rates, absorbed=True)
+    keys = footprint.learner_keys(config, rates, design=True)
     cache = footprint.decode_cache(config, 0)
     layer = (
         segment * (widest + 2 * site)
@@ -317,8 +316,8 @@ def plan(config: K3Config, devices_list, rates: dict) -> dict:
         "layers": config.num_hidden_layers,
         "rates": rates,
         "carry_per_token": footprint.learner_carry(config, SEGMENT_TOKENS),
-        "keys_as_built": footprint.learner_keys(config, rates, absorbed=False),
-        "keys_design": footprint.learner_keys(config, rates, absorbed=True),
+        "keys_as_built": footprint.learner_keys(config, rates),
+        "keys_design": footprint.learner_keys(config, rates, design=True),
         "as_built": activations_as_built(config, rates, EPISODE_TOKENS, SEGMENT_TOKENS),
         "devices": rows,
         "smallest_fleet": {
@@ -372,8 +371,8 @@ def rates_table(result: dict) -> str:
     ]
     rows += [[f"episode token, carried: {k}", mib(v)] for k, v in carry.items()]
     rows += [
-        ["earlier key, as built: all MLA layers' expansion", mib(built["all_layers"])],
-        ["earlier key, as built: one layer's fp32 key/value grads", mib(built["one_layer"])],
+        ["earlier key, as built: all MLA layers' latent concatenations", mib(built["all_layers"])],
+        ["earlier key, as built: one layer's fp32 latent grads", mib(built["one_layer"])],
         ["earlier key, design: one layer's latent + fp32 grads", mib(design["one_layer"])],
         ["LM head, per selected row (one chunk at a time)", mib(rates["head_row_bytes"])],
     ]

@@ -52,7 +52,7 @@ class HFSession(PolicyBound):
         self._plain: bool | None = None  # does the model return plain DynamicCaches?
 
     @torch.inference_mode()
-    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[list | None]:
+    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[None]:
         """Feed each key's pending token and `token_ids`; no routing is recorded (None)."""
         check_keys(keys, token_ids)
         vocab = self.model.get_input_embeddings().num_embeddings

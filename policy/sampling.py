@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -46,11 +47,12 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"
     """"stop" (a stop token was emitted, and is included) or "length"."""
-    routed_experts: list | None = None
+    routed_experts: np.ndarray | None = None
     """MoE routing for replay, recorded only by engines asked to (policy.k3.engine.K3Policy):
-    routed_experts[j][m][r] = expert picked in rank r by the m-th MoE layer at input position j
-    of prompt + token_ids, for j = 0 .. len(prompt) + len(token_ids) - 2; the entry at
-    len(prompt) - 1 + i is the routing that produced token_ids[i]. None when not recorded."""
+    int16 [len(prompt) + len(token_ids) - 1, M, Kx] (M MoE layers, Kx experts per token),
+    routed_experts[j, m, r] = expert picked in rank r by the m-th MoE layer at input position j
+    of prompt + token_ids; row len(prompt) - 1 + i is the routing that produced token_ids[i].
+    None when not recorded."""
 
 
 def sample_next(

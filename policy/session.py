@@ -50,20 +50,21 @@ class Sampled:
     token: int
     logprob: float
     """log_softmax(logits / T) at the token over the full vocabulary (greedy: T = 1)."""
-    routes: list | None
-    """Routes ([n][M][Kx] ints) of the positions forwarded for this key during this step():
-    n = 1 if a pending token was fed, [] if none; None when the session records no routing."""
+    routes: np.ndarray | None
+    """Routes (int16 [n, M, Kx]: M MoE layers, Kx experts per token) of the positions forwarded
+    for this key during this step(): n = 1 if a pending token was fed, 0 if none; None when the
+    session records no routing."""
 
 
 class DecodeSession(Protocol):
     version: int
 
-    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[list | None]:
+    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[np.ndarray | None]:
         """Append tokens to each key's context (an unknown key starts a new, empty context),
         the key's pending token first; one chunked prefill of the new tokens only, batched
-        across keys. Returns, per key, the routes of every position forwarded ([n][M][Kx],
-        the pending token's included) or None when not recording. Afterwards every key that
-        got tokens has fresh next-token logits."""
+        across keys. Returns, per key, the routes of every position forwarded (int16
+        [n, M, Kx], the pending token's included) or None when not recording. Afterwards every
+        key that got tokens has fresh next-token logits."""
         ...
 
     def step(self, keys: list[Hashable], params: SamplingParams) -> list[Sampled]:

@@ -14,7 +14,9 @@ from its first token to its last. One `tick()`:
 
 Every sampled token is recorded when it is sampled: its behaviour logprob, the policy version
 whose logits produced it, and (MoE) the experts every position was routed to when it was
-forwarded, each position exactly once: routing replay uses exactly those.
+forwarded, each position exactly once: routing replay uses exactly those. The routes gather in
+a `RouteBuffer` (int16 [n, M, Kx], amortised doubling) and become the trajectory's
+`routed_experts` when the episode ends.
 
 `deterministic=True` (sync mode, evaluation) applies the tool results of a tick before the
 next decode step, in episode order, so a run is reproducible bit for bit; async workers use
@@ -30,6 +32,8 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from policy.sampling import SamplingParams
 from rollout.episode import EpisodeLimits, apply_env_step, open_episode
 from rollout.render import ChatRenderer
@@ -42,7 +46,8 @@ TOOL_THREADS = 16
 class Sampled(Protocol):
     token: int
     logprob: float
-    routes: list | None
+    routes: np.ndarray | None
+    """int16 [n, M, Kx] (policy.session.Sampled)."""
 
 
 class Session(Protocol):
@@ -50,7 +55,7 @@ class Session(Protocol):
 
     version: int
 
-    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[list | None]: ...
+    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[np.ndarray | None]: ...
     def step(self, keys: list[Hashable], params: SamplingParams) -> list[Sampled]: ...
     def drop(self, keys: list[Hashable]) -> None: ...
     def reserve_for(self, tokens: int) -> int: ...
@@ -65,8 +70,8 @@ class Episode:
     env: Any
     traj: Trajectory
     tools: list[dict] = field(default_factory=list)
-    routes: list | None = None
-    """[P][M][Kx]: experts per forwarded position (MoE policies), in order."""
+    routes: RouteBuffer | None = None
+    """Experts per forwarded position (MoE policies), in order: int16 [P, M, Kx]."""
     skip_routes: int = 0
     """Positions whose routes are already in `routes` (a restored episode: its history is
     forwarded again to rebuild the cache, but the routes recorded at sampling time stay)."""
@@ -276,7 +281,7 @@ class AgentLoop:
         for episode in done:
             del self.live[episode.key]
             if episode.routes is not None:
-                episode.traj.routed_experts = episode.routes
+                episode.traj.routed_experts = episode.routes.array()
         return done
 
 
@@ -309,13 +314,58 @@ def _env_step(env, message):
     return env.step(message)
 
 
-def _extend_routes(episode: Episode, new: list | None) -> None:
-    if new is None:
+def _extend_routes(episode: Episode, new_nMK: np.ndarray | None) -> None:
+    if new_nMK is None:
         return
     if episode.skip_routes:
-        skip = min(episode.skip_routes, len(new))
+        skip = min(episode.skip_routes, len(new_nMK))
         episode.skip_routes -= skip
-        new = new[skip:]
+        new_nMK = new_nMK[skip:]
     if episode.routes is None:
-        episode.routes = []
-    episode.routes.extend(new)
+        episode.routes = RouteBuffer(new_nMK)
+    else:
+        episode.routes.extend(new_nMK)
+
+
+class RouteBuffer:
+    """An episode's routes, appended turn by turn: int16 [n, M, Kx] rows in one array whose
+    capacity at least doubles when it fills, so appending costs O(new rows) amortised, never a
+    copy of the whole history per turn. Rows once written never change (a growth copies them
+    to a new array), so `view()` stays valid while the buffer grows."""
+
+    __slots__ = ("_data_CMK", "_size")
+
+    def __init__(self, routes_nMK: np.ndarray) -> None:
+        """Start from `routes_nMK` (int16 [n, M, Kx]; nested lists are converted), held as is
+        until the first growth: it is never written to."""
+        self._data_CMK = np.asarray(routes_nMK, dtype=np.int16)  # C >= n rows of capacity
+        if self._data_CMK.ndim != 3:
+            raise ValueError(f"routes must be [n, M, Kx], got shape {self._data_CMK.shape}")
+        self._size = len(self._data_CMK)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def extend(self, new_nMK: np.ndarray) -> None:
+        """Append rows (int16 [n, M, Kx], or nested lists)."""
+        new_nMK = np.asarray(new_nMK, dtype=np.int16)
+        if not len(new_nMK):
+            return
+        if new_nMK.shape[1:] != self._data_CMK.shape[1:]:
+            raise ValueError(f"routes {new_nMK.shape} after {self._data_CMK.shape[1:]} rows")
+        end = self._size + len(new_nMK)
+        if end > len(self._data_CMK):
+            grown_CMK = np.empty((max(end, 2 * self._size), *new_nMK.shape[1:]), np.int16)
+            grown_CMK[: self._size] = self._data_CMK[: self._size]
+            self._data_CMK = grown_CMK
+        self._data_CMK[self._size : end] = new_nMK
+        self._size = end
+
+    def view(self) -> np.ndarray:
+        """The routes so far, int16 [n, M, Kx], without a copy."""
+        return self._data_CMK[: self._size]
+
+    def array(self) -> np.ndarray:
+        """The routes so far in an array of their own (no spare capacity kept alive)."""
+        view = self.view()
+        return view if len(self._data_CMK) == self._size else view.copy()

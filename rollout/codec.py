@@ -89,12 +89,22 @@ def _decode_traj(data: dict[str, Any]) -> Trajectory:
     lengths = {len(a) for a in arrays.values()}
     if len(lengths) != 1:
         raise ValueError(f"array lengths differ: {sorted(lengths)}")
-    routed = data.get("routed_experts")
-    if routed is not None:
-        routed = np.frombuffer(routed["data"], dtype="<i2").reshape(routed["shape"]).tolist()
     return Trajectory(
-        status=RolloutStatus(data["status"]), routed_experts=routed, **fields, **arrays
+        status=RolloutStatus(data["status"]),
+        routed_experts=_decode_routes(data.get("routed_experts")),
+        **fields,
+        **arrays,
     )
+
+
+def _decode_routes(routed: dict[str, Any] | None) -> np.ndarray | None:
+    """int16 [T-1, M, K], an array of its own (writable, not a view of the payload)."""
+    if routed is None:
+        return None
+    if len(routed["shape"]) != 3:
+        raise ValueError(f"routed_experts must be [T-1, M, K], got shape {routed['shape']}")
+    flat = np.frombuffer(routed["data"], dtype="<i2")
+    return flat.astype(np.int16).reshape(routed["shape"])
 
 
 def encode_episode(traj: Trajectory, extra: dict[str, Any]) -> bytes:

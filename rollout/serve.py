@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policy.sampling import SamplingParams
-from rollout.agent import AgentLoop, Episode, start_episode
+from rollout.agent import AgentLoop, Episode, RouteBuffer, start_episode
 from rollout.codec import decode_episode, encode_episode
 from rollout.episode import discard, restorable, task_id
 from rollout.tasks import Task, TaskQueue
@@ -296,7 +296,8 @@ class AsyncRollouts:
 
 def _encode(episode: Episode) -> bytes:
     traj = episode.traj
-    traj.routed_experts = None if episode.routes is None else list(episode.routes)
+    # a view, not a copy: the buffer never rewrites the rows it holds (RouteBuffer)
+    traj.routed_experts = None if episode.routes is None else episode.routes.view()
     extra = {
         "env_state": json.dumps(episode.env.unwrapped.get_state()),  # RNG states exceed 64 bits
         "tools": episode.tools,
@@ -324,14 +325,14 @@ def _restore(env, seed: int, key: str, traj: Trajectory, extra: dict) -> Episode
     env.reset(seed=seed)  # wrappers (gymnasium's order enforcing) want a reset first
     env.unwrapped.set_state(json.loads(extra["env_state"]))
     traj.resumed += 1
-    routes = traj.routed_experts
+    routes_nMK = traj.routed_experts
     return Episode(
         key=key,
         env=env,
         traj=traj,
         tools=extra["tools"],
-        routes=routes,
-        skip_routes=len(routes or []),
+        routes=None if routes_nMK is None else RouteBuffer(routes_nMK),
+        skip_routes=0 if routes_nMK is None else len(routes_nMK),
         feed=traj.token_ids + extra["turn_ids"],
         turn_ids=extra["turn_ids"],
         turn_logps=extra["turn_logps"],

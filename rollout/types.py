@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+import numpy as np
+
 from envs.types import Message
 
 
@@ -57,9 +59,10 @@ class Trajectory:
     the weighted sum of the configured terms, is the one number the learner trains on."""
     reward: float = 0.0
     reward_parts: dict[str, float] = field(default_factory=dict)
-    routed_experts: list | None = None
-    """MoE policies: [T-1][M][K] experts each MoE layer chose at every position of the last
-    forward the rollout engine ran (routing replay and rollout/learner mismatch metrics)."""
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
+    """MoE policies: int16 [T-1, M, K], the experts each of the M MoE layers chose at every
+    position of the forward the rollout engine ran (routing replay and rollout/learner mismatch
+    metrics). Left out of `==` (elementwise on an array): compare with np.array_equal."""
 
     def append(
         self, ids: list[int], *, sampled: bool, logprobs=None, version: int | list[int] = -1

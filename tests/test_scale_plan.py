@@ -112,7 +112,7 @@ def test_learner_memory_model_matches_measured_peak_bytes():
     measured = (peaks[1] - peaks[0]) / 1024
     rates = footprint.segment_rates(config, torch.float32)
     carry = footprint.learner_carry(config, 128, torch.float32, replay=True)
-    keys = footprint.learner_keys(config, rates, absorbed=False, dtype=torch.float32)
+    keys = footprint.learner_keys(config, rates, dtype=torch.float32)
     modelled = carry["total"] + keys["total"]
     assert modelled == pytest.approx(measured, rel=0.05), (modelled, measured)
 

@@ -128,6 +128,8 @@ class K3Config(PretrainedConfig):
             raise ValueError(f"kda_layers + full_attn_layers must be 1..{layers} exactly once")
         if not 0 < self.num_experts_per_token <= self.num_experts:
             raise ValueError("need 0 < num_experts_per_token <= num_experts")
+        if self.num_experts > 32767:  # routing records (routing replay) hold expert ids as int16
+            raise ValueError(f"num_experts must be <= 32767 (int16 routes), got {self.num_experts}")
         if self.num_experts % self.num_expert_group or self.topk_group > self.num_expert_group:
             raise ValueError("num_experts must split into num_expert_group >= topk_group groups")
         if not 0 <= self.first_k_dense_replace <= layers:

@@ -10,8 +10,8 @@
   layer of each kind the config has (KDA + dense MLP, KDA + MoE, MLA + MoE; plain residual), run
   forward over 64 and 128 tokens (slope = bytes per token, intercept = bytes per call, mostly the
   router's fp32 copy of its weight); MLA's bytes per earlier key (a segment's recomputation
-  expands every earlier latent to per-head keys and values: mla.py `attend`, not absorbed for
-  T > 1); AttnRes's bytes per site at the config's own hidden size for each number of sources.
+  attends over its concatenation of the earlier latents: mla.py `choose_form`, absorbed after a
+  cache); AttnRes's bytes per site at the config's own hidden size for each number of sources.
   A config too large to build (full K3) is probed at widths divided by s (hidden, heads, LoRA
   ranks, experts, expert and dense widths; head dims, top-k and chunk sizes unchanged): bytes
   per token are then a + b/s and per call d/s + e/s^2, fitted at two scales, checked against a
@@ -421,24 +421,21 @@ def head_row_bytes(config: K3Config, dtype=torch.bfloat16) -> float:
 
 
 def learner_keys(
-    config: K3Config, rates: dict, *, absorbed: bool, dtype=torch.bfloat16
+    config: K3Config, rates: dict, *, design: bool = False, dtype=torch.bfloat16
 ) -> dict[str, float]:
-    """Bytes per earlier key of the MLA layers in the learner's backward.
-    absorbed=False (as built: a segment's recomputation expands every earlier latent to
-    per-head keys and values): `all_layers`, what every MLA layer of the checkpointed segment
-    saves (measured: segment_rates), plus `one_layer`, the fp32 key and value gradients of the
-    blockwise backward of one layer at a time (H * (Dn + E + Dv) * 4).
-    absorbed=True (the design: attend over the latents, mla.py `attend(absorbed=True)`): one
-    layer at a time holds the latents (L values) and their fp32 gradients (L + R values)."""
-    heads, item = config.num_attention_heads, _item(dtype)
+    """Bytes per earlier key of the MLA layers in the learner's backward. As built (mla.py
+    `choose_form`: a later segment attends over the latents, absorbed): `all_layers`, what every
+    MLA layer of the checkpointed segment saves (its concatenation of the earlier latents,
+    measured: segment_rates), plus `one_layer`, the fp32 gradients of the latents and of their
+    c_kv slice in the blockwise backward of one layer at a time ((L + R) * 4).
+    design=True (not built: a preallocated latent buffer read in place, one layer checkpoint at
+    a time): one layer holds the latents (L values) and their fp32 gradients (L + R values)."""
     latent = config.kv_lora_rank + config.qk_rope_head_dim
-    if absorbed:
-        out = {"all_layers": 0.0, "one_layer": latent * item + (latent + config.kv_lora_rank) * 4}
+    grads = (latent + config.kv_lora_rank) * 4
+    if design:
+        out = {"all_layers": 0.0, "one_layer": latent * _item(dtype) + grads}
     else:
-        width = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
-        out = {
-            "all_layers": rates["mla_layers"] * rates["mla_past_per_key_per_layer"],
-            "one_layer": heads * width * 4,
-        }
+        out = {"all_layers": rates["mla_layers"] * rates["mla_past_per_key_per_layer"],
+               "one_layer": grads}  # fmt: skip
     out["total"] = out["all_layers"] + out["one_layer"]
     return out

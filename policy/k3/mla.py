@@ -11,10 +11,10 @@ the shared k_rope still exist and take part in the dot product, they are just ne
     y            = W_o (o * sigmoid(W_g x))                                 (K3 gate, full rank)
 
 Two forms share the weights: `naive` materialises per-head k and v; `absorbed` folds W_kvb into
-the query and the output and attends in the latent space (the decode path). Each has a dense
-reference (`attend_naive`, `attend_absorbed`: full [B, H, T, S] scores and [B, T, S] mask) and
-the blockwise online-softmax `attend` (flash.py: O(T + S) memory in forward and backward), which
-`forward` uses unless dense=True.
+the query and the output and attends in the latent space (decode, and any tokens after a
+cache: `choose_form`). Each has a dense reference (`attend_naive`, `attend_absorbed`: full
+[B, H, T, S] scores and [B, T, S] mask) and the blockwise online-softmax `attend` (flash.py:
+O(T + S) memory in forward and backward), which `forward` uses unless dense=True.
 
 Letters:
     B batch, T new tokens, S cached + new tokens (keys), H heads, D hidden size,
@@ -97,6 +97,7 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
         self.block_q, self.block_k = BLOCK_Q, BLOCK_K  # blocks of `attend` (flash.py)
         self.fused_max_scores = FUSED_MAX_SCORES  # `attend`'s limit for torch's attention
+        self.absorb_past = True  # tokens after a cache attend over the latents (`choose_form`)
 
     def query(self, x_BTD: Tensor) -> Tensor:
         """Per-head queries [B, T, H, Q] (no rotation)."""
@@ -173,6 +174,18 @@ class GatedMLA(nn.Module):
             return o_BTHV * key_mask_BS[:, :, None, None].to(o_BTHV.dtype)  # padding queries: 0
         return flash_attention(q_BTHQ, k_BSHQ, v_BSHV, **blocks)
 
+    def choose_form(self, length: int, past: int) -> bool:
+        """Absorbed (True) or naive: absorbed for one token (decode) and, while absorb_past,
+        for tokens after a cache (a later training segment, a context rank's shard, a prefill
+        chunk): attending over the latents, no per-head keys or values of the S earlier tokens
+        are made, and the blockwise backward saves only the latents (L values per key instead
+        of H * (Q + Dv)). Naive for a sequence from its start, where torch's fused attention
+        is fastest. The forms differ in work: absorbed costs H * (L + R) multiply-adds per
+        query-key pair, naive H * (Q + Dv) plus H * R * (Dn + Dv) per key to expand (k3-tiny:
+        absorbed is cheaper; full K3 at 4K-token segments: about 3x naive's FLOPs, 53x less
+        saved per key)."""
+        return length == 1 or (self.absorb_past and past > 0)
+
     def forward(
         self,
         hidden_BTD: Tensor,
@@ -186,9 +199,10 @@ class GatedMLA(nn.Module):
 
         mask [B, T] (1 = real token) marks padding among the new tokens; padded keys are never
         attended to and padded queries output zero. The new tokens sit at positions
-        cache.length .. cache.length + T - 1 for the causal mask. absorbed: None -> absorbed for
-        T == 1 (decode), naive otherwise. dense: the reference paths over the full [B, H, T, S]
-        scores (`attend_naive` / `attend_absorbed`) instead of the blockwise `attend`.
+        cache.length .. cache.length + T - 1 for the causal mask. absorbed: None ->
+        `choose_form` (absorbed after a cache, naive from a sequence's start). dense: the
+        reference paths over the full [B, H, T, S] scores (`attend_naive` / `attend_absorbed`)
+        instead of the blockwise `attend`.
         """
         batch, length, _ = hidden_BTD.shape
         if cache is None:
@@ -197,7 +211,7 @@ class GatedMLA(nn.Module):
         past = cache.length
         cache = cache.append(self.latent(hidden_BTD), mask)
         if absorbed is None:
-            absorbed = length == 1
+            absorbed = self.choose_form(length, past)
         q_BTHQ = self.query(hidden_BTD)
         if dense:
             rows_T = torch.arange(past, past + length, device=hidden_BTD.device)

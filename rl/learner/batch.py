@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rl.learner.advantages import centred_advantages, grpo_advantages
@@ -38,9 +39,11 @@ class TrainBatch:
     """[N, K] target position where each turn starts (0 where `turn_mask_NK` is 0)."""
     turn_mask_NK: torch.Tensor
     routes_NTMK: torch.Tensor | None = None
-    """MoE policies: experts the rollout engine routed each input position to, per MoE layer;
-    -1 (route live) where there is no record: past a trajectory's recorded positions and on
-    every position of a trajectory without records. None when no trajectory has records."""
+    """MoE policies: int16 [N, T, M, K] experts the rollout engine routed each input position
+    to, per MoE layer (int16 to keep long batches small: convert with `.long()` per micro-batch
+    where they index); -1 (route live) where there is no record: past a trajectory's recorded
+    positions and on every position of a trajectory without records. None when no trajectory
+    has records."""
     routed_NT: torch.Tensor | None = None
     """[N, T] True where `routes_NTMK` holds a real record (replayed with routing replay; the
     positions the mismatch metric compares)."""
@@ -169,21 +172,33 @@ def pack(
 
 
 def _routes(trajs: list, width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """[N, T, M, K] recorded expert choices (-1 where none: routed live) and [N, T] record mask;
-    None, None when no trajectory has records."""
-    recorded = next((t.routed_experts for t in trajs if t.routed_experts), None)
-    if recorded is None:
+    """int16 [N, T, M, K] recorded expert choices (-1 where none: routed live) and [N, T] record
+    mask; None, None when no trajectory has records. A record may be an int16 array [T-1, M, K]
+    (what rollouts produce) or nested lists."""
+    records = [_record(t.routed_experts) for t in trajs]
+    shaped = next((r for r in records if r is not None), None)
+    if shaped is None:
         return None, None
-    _, layers, k = torch.tensor(recorded[:1]).shape
-    routes = torch.full((len(trajs), width, layers, k), -1, dtype=torch.long)
-    routed = torch.zeros((len(trajs), width), dtype=torch.bool)
-    for row, traj in enumerate(trajs):
-        if not traj.routed_experts:
+    routes_NTMK = torch.full((len(trajs), width, *shaped.shape[1:]), -1, dtype=torch.int16)
+    routed_NT = torch.zeros((len(trajs), width), dtype=torch.bool)
+    out_NTMK = routes_NTMK.numpy()  # the same memory: fill it without a torch copy per record
+    for row, record_TMK in enumerate(records):
+        if record_TMK is None:
             continue  # e.g. sampled without record_routing: its rows route live
-        record = torch.tensor(traj.routed_experts, dtype=torch.long)[:width]
-        routes[row, : len(record)] = record
-        routed[row, : len(record)] = True
-    return routes, routed
+        record_TMK = record_TMK[:width]
+        out_NTMK[row, : len(record_TMK)] = record_TMK
+        routed_NT[row, : len(record_TMK)] = True
+    return routes_NTMK, routed_NT
+
+
+def _record(routed_experts) -> np.ndarray | None:
+    """A trajectory's routes as int16 [T-1, M, K]; None when it has none (None or empty)."""
+    if routed_experts is None or len(routed_experts) == 0:
+        return None
+    record_TMK = np.asarray(routed_experts, dtype=np.int16)
+    if record_TMK.ndim != 3:
+        raise ValueError(f"routed_experts must be [T-1, M, K], got shape {record_TMK.shape}")
+    return record_TMK
 
 
 def _turn_starts(target_mask: list[int]) -> list[int]:

@@ -345,11 +345,11 @@ class Learner:
         )[0]
 
     def _replay(self, mb: TrainBatch):
-        """The rollout's expert choices per MoE layer ([B, T, K] each) when replaying (R3);
+        """The rollout's expert choices per MoE layer (int64 [B, T, K] each) when replaying (R3);
         -1 rows (positions without a record) are routed live by the model."""
         if not self.cfg.routing_replay or mb.routes_NTMK is None:
             return None
-        return [mb.routes_NTMK[:, :, m] for m in range(mb.routes_NTMK.shape[2])]
+        return [mb.routes_NTMK[:, :, m].long() for m in range(mb.routes_NTMK.shape[2])]
 
     def _replayed_share(self, batch: TrainBatch) -> float:
         """Share of the sampled (loss-mask) tokens predicted from a replayed route: the record
@@ -566,7 +566,7 @@ def _routing_mismatch(routed_MXK: torch.Tensor, mb: TrainBatch, scale: float) ->
     rollout engine's record (X = B*T positions)."""
     layers, _, k = routed_MXK.shape
     live_MBTK = routed_MXK.view(layers, *mb.input_ids_NT.shape, k).sort(-1).values
-    recorded_MBTK = mb.routes_NTMK.permute(2, 0, 1, 3).sort(-1).values
+    recorded_MBTK = mb.routes_NTMK.long().permute(2, 0, 1, 3).sort(-1).values
     valid_BT = mb.routed_NT & (mb.attention_mask_NT > 0)
     differs_MBT = (live_MBTK != recorded_MBTK).any(-1) & valid_BT
     out = {"routing.positions": float(valid_BT.sum()) * scale}

@@ -70,7 +70,7 @@ class Episode:
 
     def __init__(self, key, prompt, start, rng, turns):
         self.key, self.start, self.turns = key, start, turns
-        self.history, self.routes = list(prompt), []
+        self.history, self.routes = list(prompt), []  # int16 [n, M, Kx] chunks, in order
         self.budgets = rng.integers(2, 8, size=turns).tolist()
         self.observations = [rng.integers(1, VOCAB, size=int(n)).tolist()
                              for n in rng.integers(1, 14, size=turns)]  # fmt: skip
@@ -79,7 +79,8 @@ class Episode:
 
     def record(self, routes) -> None:
         if routes is not None:
-            self.routes.extend(routes)
+            assert routes.dtype == np.int16 and routes.ndim == 3
+            self.routes.append(routes)
 
 
 def run_script(session, policy, turns=3, seed=0, check=True):
@@ -156,17 +157,18 @@ def test_routes_single_turn_equal_generate():
     session = open_session(policy)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, VOCAB, size=n).tolist() for n in (4, 19, 11)]
-    routes = session.add(["a", "b", "c"], prompts)
+    routes = [[r] for r in session.add(["a", "b", "c"], prompts)]  # int16 [n, M, Kx] chunks
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     tokens = [[], [], []]
     for _ in range(6):
         for i, out in enumerate(session.step(["a", "b", "c"], params)):
-            routes[i] += out.routes
+            routes[i].append(out.routes)
             tokens[i].append(out.token)
     for prompt, got, sampled in zip(prompts, routes, tokens, strict=True):
         want = policy.generate([prompt], params)[0]
         assert sampled == want.token_ids
-        assert got == want.routed_experts
+        assert want.routed_experts.dtype == np.int16
+        np.testing.assert_array_equal(np.concatenate(got), want.routed_experts)
     assert session.step([], params) == [] and session.add([], []) == []
 
 
@@ -177,7 +179,7 @@ def test_routes_multiturn_cover_every_position_once():
     done = run_script(session, policy, turns=3, seed=2, check=False)
     sparse, top_k = policy.model.config.mlp_types.count("sparse"), 2
     for ep in done:
-        routes = torch.tensor(ep.routes)  # [T - 1, M, Kx]
+        routes = torch.from_numpy(np.concatenate(ep.routes)).long()  # [T - 1, M, Kx]
         assert routes.shape == (len(ep.history) - 1, sparse, top_k), ep.key
         with torch.no_grad():
             live = policy.model(torch.tensor([ep.history]), return_routing=True).routed_experts

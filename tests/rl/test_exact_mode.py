@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,20 +30,20 @@ def exact_rollouts(model, n=4, seed=0) -> TrajectoryGroup:
     trajs = []
     for i in range(n):
         key, traj = f"k{i}", Trajectory(task_id="t", status=RolloutStatus.COMPLETED)
-        traj.reward, routes = float(i % 2), []
+        traj.reward, routes = float(i % 2), []  # int16 [n, M, Kx] chunks
         for turn in range(2):
             feed = torch.randint(3, 400, (int(torch.randint(4, 12, (1,), generator=gen)),),
                                  generator=gen).tolist()  # fmt: skip
-            routes += session.add([key], [feed])[0]
+            routes.append(session.add([key], [feed])[0])
             traj.append(feed, sampled=False)
             tokens, logps = [], []
             for _ in range(5 + 3 * turn):
                 out = session.step([key], PARAMS)[0]
-                routes += out.routes
+                routes.append(out.routes)
                 tokens.append(out.token)
                 logps.append(out.logprob)
             traj.append(tokens, sampled=True, logprobs=logps, version=0)
-        traj.routed_experts = routes[: len(traj.token_ids) - 1]  # the last token is not fed
+        traj.routed_experts = np.concatenate(routes)[: len(traj.token_ids) - 1]  # last not fed
         trajs.append(traj)
     return TrajectoryGroup(group_id="1-0", task_id="t", trajectories=trajs)
 

@@ -208,6 +208,32 @@ def test_pack_masks_prompt_and_padding(tiny_model):
         assert batch.adv_NT[row, 0] == pytest.approx([0.866, -0.866, 0.866, -0.866][row], abs=1e-3)
 
 
+def test_pack_keeps_routes_int16_from_arrays_or_lists():
+    """Routing records (int16 arrays as rollouts make them, or nested lists) pack into an int16
+    [N, T, M, K] batch, -1 past each record and on a trajectory without one; micro-batches
+    padded past the batch's width stay int16 and -1."""
+    trajs = []
+    for reward, prompt in ((0.0, 3), (1.0, 5), (1.0, 4)):
+        traj = Trajectory(task_id="t", status=RolloutStatus.COMPLETED, reward=reward)
+        traj.append(list(range(5, 5 + prompt)), sampled=False)
+        traj.append([8, 9], sampled=True, logprobs=[-0.5, -0.25], version=0)
+        trajs.append(traj)
+    record_TMK = torch.arange(6 * 2 * 3, dtype=torch.int16).view(6, 2, 3).numpy() + 32000
+    trajs[1].routed_experts = record_TMK  # 7 tokens: a record for each of 6 positions
+    trajs[0].routed_experts = (record_TMK[:3] - 32000).tolist()  # lists, 3 of 4 positions
+    group = TrajectoryGroup(group_id="1-0", task_id="t", trajectories=trajs)
+    batch = pack([group], pad_token_id=0)
+    routes = batch.routes_NTMK
+    assert routes.dtype == torch.int16 and routes.shape == (3, 7, 2, 3)
+    assert routes[1, :6].tolist() == record_TMK.tolist() and (routes[1, 6] == -1).all()
+    assert routes[0, :3].tolist() == (record_TMK[:3] - 32000).tolist()
+    assert (routes[0, 3:] == -1).all() and (routes[2] == -1).all()
+    assert batch.routed_NT.sum(-1).tolist() == [3, 6, 0]
+    mb = batch.rows(torch.tensor([0, 2]), 9)
+    assert mb.routes_NTMK.dtype == torch.int16 and mb.routes_NTMK.shape == (2, 9, 2, 3)
+    assert (mb.routes_NTMK[:, 7:] == -1).all()
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"])
 def test_every_algorithm_steps_and_changes_the_weights(tiny_model, algorithm):
     model = copy.deepcopy(tiny_model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,8 +58,10 @@ def learner(model, group, replay: bool):
 def test_records_survive_the_stream_codec():
     group = rollouts(make_model(torch.float32))
     back = decode_group(encode_group(group))
-    assert back.trajectories[0].routed_experts == group.trajectories[0].routed_experts
-    assert len(back.trajectories[0].routed_experts) == len(group.trajectories[0].token_ids) - 1
+    for got, sent in zip(back.trajectories, group.trajectories, strict=True):
+        assert sent.routed_experts.dtype == got.routed_experts.dtype == np.int16
+        np.testing.assert_array_equal(got.routed_experts, sent.routed_experts)
+        assert len(got.routed_experts) == len(sent.token_ids) - 1
 
 
 @pytest.mark.parametrize("replay", [False, True])
@@ -97,11 +100,12 @@ def test_replay_is_per_trajectory_when_some_lack_records():
     for t in group.trajectories[::2]:
         t.routed_experts = None  # e.g. sampled by a worker that did not record
     batch = pack([group], pad_token_id=0)
-    has = torch.tensor([bool(t.routed_experts) for t in group.trajectories])
+    has = torch.tensor([t.routed_experts is not None for t in group.trajectories])
     assert torch.equal(batch.routed_NT.any(-1), has)
-    assert (batch.routes_NTMK[~has] == -1).all()
+    assert batch.routes_NTMK.dtype == torch.int16 and (batch.routes_NTMK[~has] == -1).all()
     drifted = drift(model)
     run = learner(drifted, group, replay=True)
+    assert all(r.dtype == torch.long for r in run._replay(batch))  # int64 where they index
     logp, _, _, _ = run.trunk(
         batch.input_ids_NT, batch.attention_mask_NT, 1.0, replay_experts=run._replay(batch)
     )
@@ -200,7 +204,7 @@ def test_a_trajectory_continued_across_a_worker_crash_replays_every_turns_routes
     ]
     run_for(dying, dying.loop.renderer, until=lambda: any(not x.get("final") for _, x in saved()))
     before = {t.traj_id: t.routed_experts for t, x in saved() if not x.get("final")}
-    assert before and all(before.values())
+    assert before and all(r is not None and len(r) for r in before.values())
 
     taker = serving(newer, tokenizer, client, "w1", claim_idle_ms=0)
     run_for(taker, taker.loop.renderer, until=lambda: client.xlen(KEYS.trajectories) == 1)
@@ -210,9 +214,9 @@ def test_a_trajectory_continued_across_a_worker_crash_replays_every_turns_routes
     continued = [t for t in group.trajectories if t.traj_id in before]
     assert continued and all(t.resumed == 1 and t.num_turns >= 2 for t in continued)
     for traj in continued:
-        routes = torch.tensor(traj.routed_experts).sort(-1).values  # [T - 1, M, Kx]
+        routes = torch.from_numpy(traj.routed_experts).long().sort(-1).values  # [T - 1, M, Kx]
         assert routes.shape[0] == len(traj.token_ids) - 1, traj.traj_id
-        kept = torch.tensor(before[traj.traj_id]).sort(-1).values
+        kept = torch.from_numpy(before[traj.traj_id]).long().sort(-1).values
         assert 0 < len(kept) < len(routes)  # turns before the crash and after it
         old, new = routing(model, traj.token_ids), routing(newer, traj.token_ids)
         assert torch.equal(routes[: len(kept)], kept)  # recorded before the crash, kept

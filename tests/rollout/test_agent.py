@@ -8,14 +8,15 @@ import threading
 import time
 
 import gymnasium
+import numpy as np
 import pytest
 
 import envs  # noqa: F401
 from policy.sampling import SamplingParams
-from rollout.agent import AgentLoop, run_all, start_episode
+from rollout.agent import AgentLoop, Episode, RouteBuffer, _extend_routes, run_all, start_episode
 from rollout.episode import EpisodeLimits, run_episodes
 from rollout.render import ChatRenderer
-from rollout.types import RolloutStatus
+from rollout.types import RolloutStatus, Trajectory
 from tests.fakes import ScriptedPolicy, ScriptedSession
 from tests.rollout.test_render_and_episode import expert_script
 
@@ -309,3 +310,35 @@ def test_a_raising_reset_is_an_env_error_of_its_episode_only(tokenizer):
         assert trajs[0].finish_detail == "reset raised RuntimeError: task database unreachable"
         assert trajs[0].token_ids == [] and not trajs[0].trainable
         assert [t.status for t in trajs[1:]] == [RolloutStatus.COMPLETED] * 2
+
+
+def test_route_buffer_grows_by_doubling_and_never_rewrites_its_rows():
+    """Routes appended a row at a time cost a logarithmic number of growths; views taken earlier
+    stay right; lists are accepted, wrong shapes refused; `array` is int16 [n, M, Kx]."""
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 32767, (1000, 3, 2)).astype(np.int16)  # [n, M, Kx]
+    buffer, capacities = RouteBuffer(rows[:5].tolist()), set()
+    early = buffer.view()
+    for i in range(5, 1000):
+        buffer.extend(rows[i : i + 1])
+        capacities.add(len(buffer._data_CMK))
+    buffer.extend(np.zeros((0, 3, 2), np.int16))
+    assert len(buffer) == 1000 and len(capacities) <= 9  # 10, 20, ... 1280
+    np.testing.assert_array_equal(early, rows[:5])
+    out = buffer.array()
+    assert out.dtype == np.int16 and out.flags.c_contiguous and out.base is None
+    np.testing.assert_array_equal(out, rows)
+    with pytest.raises(ValueError, match="routes"):
+        buffer.extend(np.zeros((1, 2, 2), np.int16))
+    with pytest.raises(ValueError, match="routes"):
+        RouteBuffer([1, 2])
+
+
+def test_a_restored_episode_skips_the_routes_of_its_history_forwarded_again():
+    kept, forwarded = np.full((4, 2, 2), 7, np.int16), np.full((6, 2, 2), 9, np.int16)
+    episode = Episode(key="g/0", env=None, traj=Trajectory(task_id="t"),
+                      routes=RouteBuffer(kept), skip_routes=4)  # fmt: skip
+    _extend_routes(episode, forwarded)  # the history (4 rows) forwarded again, then 2 new
+    _extend_routes(episode, None)  # a session that records nothing
+    np.testing.assert_array_equal(episode.routes.view(), np.concatenate([kept, forwarded[4:]]))
+    assert episode.skip_routes == 0

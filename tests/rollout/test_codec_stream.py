@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import msgpack
+import numpy as np
 import pytest
 
 from rollout.codec import CodecError, decode_group, encode_group
@@ -32,6 +33,20 @@ def test_round_trip_is_exact():
     group = sample_group()
     back = decode_group(encode_group(group))
     assert back == group
+
+
+def test_routes_round_trip_as_int16_arrays():
+    group = sample_group()
+    routes_TMK = (np.arange(4 * 3 * 2) * 1400 - 1).astype(np.int16).reshape(4, 3, 2)
+    group.trajectories[0].routed_experts = routes_TMK  # [T-1, M, K], -1 and 32199 included
+    back = decode_group(encode_group(group)).trajectories
+    got = back[0].routed_experts
+    assert got.dtype == np.int16 and got.flags.writeable and back[1].routed_experts is None
+    np.testing.assert_array_equal(got, routes_TMK)
+    payload = msgpack.unpackb(encode_group(group))
+    payload["trajectories"][0]["routed_experts"]["shape"] = [5, 3, 2]
+    with pytest.raises(CodecError):
+        decode_group(msgpack.packb(payload))
 
 
 def test_codec_rejects_foreign_payloads():

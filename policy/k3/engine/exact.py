@@ -21,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from policy.k3.cache import K3Cache
-from policy.k3.engine.runner import K3Policy
+from policy.k3.engine.runner import K3Policy, routes_array
 from policy.sampling import SamplingParams, sample_next
 from policy.session import PolicyBound, Sampled, check_keys
 
@@ -50,12 +51,17 @@ def _empty(policy: K3Policy) -> K3Cache:
     return K3Cache.empty(policy.model.config, 1, dtype=dtype, device=policy.device)
 
 
-def _one(policy: K3Policy, row: _Row, token: int, plan) -> list | None:
-    """Feed one token to one row -> its route [M][Kx] (None when not recording)."""
+def _one(policy: K3Policy, row: _Row, token: int, plan) -> Tensor | None:
+    """Feed one token to one row -> its route, int16 [1, M, Kx] (None when not recording)."""
     ids_11 = torch.tensor([[token]], dtype=torch.long, device=policy.device)
     row.logits_1V, routed_11MK = policy.forward(row.cache, ids_11, None, plan)
     row.tokens.append(token)
-    return None if routed_11MK is None else routed_11MK[0, 0].to("cpu", torch.int32).tolist()
+    return None if routed_11MK is None else routed_11MK[0].to("cpu", torch.int16)
+
+
+def _recorded(policy: K3Policy, parts: list[Tensor | None]) -> np.ndarray | None:
+    """The routes of one call, int16 [n, M, Kx], or None when the policy does not record."""
+    return routes_array(parts, policy.model.config) if policy.record_routing else None
 
 
 class ExactSession(PolicyBound):
@@ -66,7 +72,7 @@ class ExactSession(PolicyBound):
         self.rows: dict[Hashable, _Row] = {}
 
     @torch.inference_mode()
-    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[list | None]:
+    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[np.ndarray | None]:
         check_keys(keys, token_ids)
         plan, out = self._plan(), []
         for key, tokens in zip(keys, token_ids, strict=True):
@@ -75,7 +81,7 @@ class ExactSession(PolicyBound):
             feed = ([] if row.pending is None else [row.pending]) + [int(t) for t in tokens]
             row.pending = None
             routes = [_one(self.policy, row, token, plan) for token in feed]
-            out.append(None if not self.policy.record_routing else routes)
+            out.append(_recorded(self.policy, routes))
         return out
 
     @torch.inference_mode()
@@ -92,7 +98,7 @@ class ExactSession(PolicyBound):
             token = int(sample_next(row.logits_1V, params, self.policy.generator)[0][0])
             logprob = scaled_logprob(row.logits_1V, token, temperature)
             row.pending, row.logits_1V = token, None
-            recorded = routes if self.policy.record_routing else None
+            recorded = _recorded(self.policy, routes)
             out.append(Sampled(token=token, logprob=logprob, routes=recorded))
         return out
 

@@ -24,10 +24,10 @@ Logprobs are log_softmax(logits / T) over the full vocabulary at the sampled tok
 learner's quantity, policy/logprobs.py; equal within 1e-5 in float32); greedy reports T = 1.
 Only last-position logits are computed, never [T, V].
 
-Routing record (record_routing=True): Completion.routed_experts[j] = the experts chosen by each
-MoE layer ([M][Kx] ints) at input position j of prompt + token_ids, for j = 0 .. len(prompt) +
-len(token_ids) - 2 (every position a forward ran over; the last sampled token is never fed).
-The entry at len(prompt) - 1 + i is the routing that produced token_ids[i]'s logprob.
+Routing record (record_routing=True): Completion.routed_experts, int16 [len(prompt) +
+len(token_ids) - 1, M, Kx], row j = the experts chosen by each MoE layer at input position j of
+prompt + token_ids (every position a forward ran over; the last sampled token is never fed).
+Row len(prompt) - 1 + i is the routing that produced token_ids[i]'s logprob.
 `replay_indices` turns it into K3ForCausalLM.forward's replay_experts for that sequence.
 """
 
@@ -169,8 +169,8 @@ class _Run:
         self.rows_B = torch.zeros(0, dtype=torch.long)  # prompt index of each running row
         self.count_B = torch.zeros(0, dtype=torch.long)  # tokens sampled so far per row
         self.logits_BV: torch.Tensor | None = None
-        self.prompt_routes: dict[int, torch.Tensor] = {}  # prompt index -> [P, M, Kx]
-        self.decode_routes: torch.Tensor | None = None  # [N, G, M, Kx], filled lazily
+        self.prompt_routes: dict[int, torch.Tensor] = {}  # prompt index -> int16 [P, M, Kx]
+        self.decode_routes: torch.Tensor | None = None  # int16 [N, G, M, Kx], filled lazily
 
     def run(self) -> list[Completion]:
         while self.waiting or len(self.rows_B):
@@ -210,7 +210,7 @@ class _Run:
         if routes_BPMK is not None:
             for row, index in enumerate(new):
                 length = len(self.prompts[index])
-                self.prompt_routes[index] = routes_BPMK[row, -length:].cpu()
+                self.prompt_routes[index] = routes_BPMK[row, -length:].to("cpu", torch.int16)
         new_B = torch.tensor(new, dtype=torch.long)
         if self.cache is None or not len(self.rows_B):
             self.cache, self.logits_BV = cache, logits_BV
@@ -244,16 +244,17 @@ class _Run:
     def record_decode(self, routed_BMK: torch.Tensor) -> None:
         if self.decode_routes is None:
             shape = (len(self.prompts), self.params.max_new_tokens, *routed_BMK.shape[1:])
-            self.decode_routes = torch.zeros(shape, dtype=torch.int32)
-        self.decode_routes[self.rows_B, self.count_B - 1] = routed_BMK.cpu().to(torch.int32)
+            self.decode_routes = torch.zeros(shape, dtype=torch.int16)
+        self.decode_routes[self.rows_B, self.count_B - 1] = routed_BMK.to("cpu", torch.int16)
 
-    def routes_of(self, index: int, count: int) -> list | None:
+    def routes_of(self, index: int, count: int) -> np.ndarray | None:
+        """int16 [P + count - 1, M, Kx]: the prompt's routes, then those of the fed samples."""
         if not self.policy.record_routing:
             return None
-        parts = [self.prompt_routes.pop(index).to(torch.int32)]
+        parts = [self.prompt_routes.pop(index)]
         if count > 1:
             parts.append(self.decode_routes[index, : count - 1])
-        return torch.cat(parts).tolist()
+        return routes_array(parts, self.policy.model.config)
 
 
 def prefill_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
@@ -273,6 +274,15 @@ def prefill_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
                 continue
         groups.append([index])
     return groups
+
+
+def routes_array(parts: list[torch.Tensor], config) -> np.ndarray:
+    """Routing pieces ([t, M, Kx] tensors, in order) -> one int16 numpy array [n, M, Kx] (the
+    routing record's type; n = 0, shaped from `config`, when there are none)."""
+    if not parts:
+        shape = (0, config.mlp_types.count("sparse"), config.num_experts_per_token)
+        return np.zeros(shape, dtype=np.int16)
+    return torch.cat([p.to("cpu", torch.int16) for p in parts]).numpy()
 
 
 def replay_indices(completion: Completion, length: int) -> torch.Tensor:

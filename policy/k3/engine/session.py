@@ -31,12 +31,13 @@ from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from policy.k3.cache import K3Cache
 from policy.k3.engine.plan import DecodePlan
-from policy.k3.engine.runner import K3Policy
+from policy.k3.engine.runner import K3Policy, routes_array
 from policy.k3.paged import PagedBatch, PagePool
 from policy.sampling import SamplingParams, sample_next
 from policy.session import PolicyBound, Sampled, check_keys
@@ -73,7 +74,7 @@ class K3Session(PolicyBound):
     # -- the policy's state ---------------------------------------------------------------------
     # -- the session API ------------------------------------------------------------------------
     @torch.inference_mode()
-    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[list | None]:
+    def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[np.ndarray | None]:
         """Feed each key's pending token and `token_ids` (see policy.session.DecodeSession)."""
         check_keys(keys, token_ids)
         vocab = self.policy.model.config.vocab_size
@@ -186,11 +187,13 @@ class K3Session(PolicyBound):
         for i, key in enumerate(keys):
             self.contexts[key] = _Context(row=start + i)
 
-    def _routes(self, routes: dict[Hashable, list[Tensor]] | None, key: Hashable) -> list | None:
+    def _routes(
+        self, routes: dict[Hashable, list[Tensor]] | None, key: Hashable
+    ) -> np.ndarray | None:
+        """Key's routes of this call, int16 [n, M, Kx] (n = 0 if nothing was fed), or None."""
         if routes is None:
             return None
-        parts = routes.get(key)
-        return torch.cat(parts).tolist() if parts else []
+        return routes_array(routes.get(key, []), self.policy.model.config)
 
     # -- forwards -------------------------------------------------------------------------------
     def _feed(self, feeds: dict[Hashable, list[int]]) -> dict[Hashable, list[Tensor]] | None:
@@ -232,7 +235,7 @@ class K3Session(PolicyBound):
             ctx.fed, ctx.logits_V = ctx.fed + ids_BT.shape[1], logits_BV[b]
         if routed_BTMK is None:
             return {}
-        routed_BTMK = routed_BTMK.to("cpu", torch.int32)
+        routed_BTMK = routed_BTMK.to("cpu", torch.int16)
         return {key: routed_BTMK[b] for b, key in enumerate(keys)}
 
     def _gather(self, rows: list[int], width: int) -> tuple[K3Cache, slice | Tensor]:

@@ -111,6 +111,8 @@ def test_validation_errors():
                                                           "full_attn_layers": [4]})  # fmt: skip
     with pytest.raises(ValueError):
         K3Config(num_experts=8, num_experts_per_token=9)
+    with pytest.raises(ValueError, match="num_experts must be <= 32767"):  # int16 routes
+        K3Config(num_experts=32768)
     with pytest.raises(ValueError):
         K3Config(hidden_act="gelu")
     silu = k3_preset("k3-debug", hidden_act="silu")

@@ -234,7 +234,8 @@ def test_routing_is_recorded_and_replays_through_the_model():
     for prompt, out in zip(batch, outs, strict=True):
         seq = torch.tensor([prompt + out.token_ids])
         length = seq.shape[1]
-        assert np.array(out.routed_experts).shape == (length - 1, sparse, top_k)
+        assert out.routed_experts.dtype == np.int16
+        assert out.routed_experts.shape == (length - 1, sparse, top_k)
         replay = replay_indices(out, length)
         with torch.no_grad():
             live = model(seq, return_routing=True).routed_experts

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from policy.k3 import K3Cache
+from policy.k3 import K3Cache, footprint
 from policy.k3 import mla as mla_module
 from policy.k3.engine import decode as k3_decode
 from policy.k3.engine.decode import forward_tokens
@@ -275,3 +275,52 @@ def test_fused_prefill_memory_is_linear_in_length(monkeypatch):
         logits, _ = forward_tokens(build_plan(model), cache, tokens, mask)
     assert torch.isfinite(logits).all() and sizes
     assert max(sizes) <= 2 * 2 * 256 * 512 < 2048 * 2048 // 4, sizes
+
+
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_training_after_a_cache_absorbed_equals_expanded_outputs_and_gradients(q_lora_rank):
+    """A later training segment (tokens after cached latents that need gradients): the
+    absorbed form `choose_form` picks equals the expanded (naive) form, outputs and the
+    gradients of the inputs, the earlier latents and every parameter, in float64."""
+    mla = make_mla(q_lora_rank=q_lora_rank, seed=11)
+    mla.block_q, mla.block_k = 4, 7
+    x_prefix = hidden(2, 13, 32, seed=12).requires_grad_()
+    x_new = hidden(2, 19, 32, seed=13).requires_grad_()
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[0, :5] = False
+    assert mla.choose_form(19, 13) and not mla.choose_form(13, 0) and mla.choose_form(1, 0)
+    results = []
+    for absorbed in (False, None):  # None: the form the layer chooses (absorbed after a cache)
+        _, cache = mla(x_prefix, mask=mask)
+        out, _ = mla(x_new, cache=cache, absorbed=absorbed)
+        weights = hidden(*out.shape, seed=14)
+        leaves = [x_prefix, x_new, *mla.parameters()]
+        results.append((out, torch.autograd.grad((out * weights).sum(), leaves)))
+    (ref, ref_grads), (out, grads) = results
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("absorb_past", [True, False])
+def test_training_after_a_cache_saves_only_the_latents_per_earlier_key(absorb_past):
+    """Bytes autograd saves per earlier key for a segment after S cached latents: the latent
+    width (L values) absorbed, against at least H * (Q + Dv) + L expanded (here 6.25x the bytes)."""
+    mla = make_mla(seed=15)
+    mla.absorb_past = absorb_past
+    width = mla.kv_lora_rank + mla.qk_rope_head_dim
+    skip = {p.untyped_storage().data_ptr() for p in mla.parameters()}
+    sizes = []
+    for keys in (256, 512):
+        latent = hidden(1, keys, width, seed=16).requires_grad_()
+        cache = mla_module.MLACache(latent, torch.ones(1, keys, dtype=torch.bool))
+        with footprint.SavedBytes(skip | {latent.untyped_storage().data_ptr()}) as meter:
+            out, _ = mla(hidden(1, 8, 32, seed=17).requires_grad_(), cache=cache)
+            sizes.append(sum(meter.by.values()))
+        del out
+    per_key = (sizes[1] - sizes[0]) / 256
+    heads, q, v = mla.num_heads, mla.qk_head_dim, mla.v_head_dim
+    if absorb_past:
+        assert per_key == width * 8  # the concatenated latents, nothing per head
+    else:
+        assert per_key >= (heads * (q + v) + width) * 8  # per-head keys and values too
