@@ -2,7 +2,7 @@
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/long_learner.py [--lengths 4096 16384]
      [--segment 1024] [--threads 2] [--sampled 0.5]
-     [--modes whole segmented expanded kimilinear qwen3]
+     [--modes whole segmented expanded kept-heap kimilinear qwen3]
 
 k3-tiny (hidden 96, 4 layers: KDA, KDA, KDA, MLA; 48 experts), float32, batch 1, the learner's
 own path (policy.logprobs.TokenLogprobs: decoder, then the LM head at the sampled positions
@@ -11,7 +11,9 @@ only, here the second half of the trajectory) and a policy-gradient-shaped loss,
 trainer.segment_tokens = --segment (policy/k3/segments.py: carried KDA state and MLA latents,
 one activation checkpoint per segment; a later segment's MLA attends over the earlier latents,
 absorbed: mla.py `choose_form`); "expanded" is "segmented" with the later segments' MLA in its
-naive form (per-head keys and values of every earlier token: the learner before issue 19).
+naive form (per-head keys and values of every earlier token: the learner before issue 19);
+"kept-heap" is "segmented" without handing the C heap's free pages back to the OS between
+segments (policy/k3/host_memory.py; also the learner before issue 19).
 Each (mode, length) runs in a fresh subprocess so that
 its peak RSS is its own; printed: peak RSS growth over the RSS just before the step and the
 wall time of forward + backward (one run after a warm-up at T = 512).
@@ -66,8 +68,9 @@ def peer_step(model, length: int, sampled: float) -> None:
 def build(mode: str, segment: int, sampled: float):
     """(model, one step at length T) for a mode."""
     cfg = k3_preset("k3-tiny")
-    if mode in ("whole", "segmented", "expanded"):
+    if mode in ("whole", "segmented", "expanded", "kept-heap"):
         model = K3ForCausalLM(cfg).eval()
+        model.model.release_heap = mode != "kept-heap"  # segments.py: malloc_trim per segment
         for layer in model.model.layers:  # expanded: later segments' MLA in its naive form
             if not layer.is_kda:
                 layer.self_attn.absorb_past = mode != "expanded"
@@ -128,7 +131,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--segment", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
-    modes = ["whole", "segmented", "expanded", "kimilinear", "qwen3"]
+    modes = ["whole", "segmented", "expanded", "kept-heap", "kimilinear", "qwen3"]
     parser.add_argument("--modes", nargs="+", default=modes[:2], choices=modes)
     parser.add_argument("--sampled", type=float, default=0.5,
                         help="share of positions in the loss (the last ones)")  # fmt: skip

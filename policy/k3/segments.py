@@ -19,6 +19,10 @@ is about one segment's activations plus O(T) for the latents and hidden states, 
 T positions' activations. Segment s's recomputation concatenates the earlier latent chunks for
 its attention (a transient O(T) per MLA layer).
 
+On a CPU each segment first hands the C heap's free pages back to the OS (host_memory.py): the
+survivors of every segment would otherwise fragment glibc's heap, whose resident size grew by
+~26 KiB per token over ~1 KiB of live tensors (k3-tiny, docs/benchmarks.md).
+
 Left padding works as in the unsegmented forward: each segment gets its slice of the attention
 mask; its MLA queries sit at positions past .. past + S - 1 over all earlier keys, whose key mask
 marks the padding; masked tokens do not touch the KDA state or conv window.
@@ -37,6 +41,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from policy.k3.host_memory import release_free_heap
 from policy.k3.kda import KDACache
 from policy.k3.mla import MLACache
 
@@ -105,7 +110,10 @@ class _SegmentCache:
 
 def _segment(decoder, ids_BS, mask_BS, kda_in, latents_in, masks_in, replay, routing: bool):
     """One segment through the decoder -> (hidden [B, S, D], KDA carry, latent chunks, mask
-    chunk [B, S], routed experts [M, B*S, K] or None)."""
+    chunk [B, S], routed experts [M, B*S, K] or None). On a CPU the heap's free pages go back
+    to the OS first (host_memory.py; the decoder's `release_heap` attribute, default on)."""
+    if ids_BS.device.type == "cpu" and getattr(decoder, "release_heap", True):
+        release_free_heap()  # what the previous segment (or its backward) freed
     cache = _SegmentCache(kda_in, latents_in, masks_in)
     out = decoder(
         ids_BS,
