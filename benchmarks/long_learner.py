@@ -15,7 +15,8 @@ naive form (per-head keys and values of every earlier token: the learner before 
 "kept-heap" is "segmented" without handing the C heap's free pages back to the OS between
 segments (policy/k3/host_memory.py; also the learner before issue 19).
 Each (mode, length) runs in a fresh subprocess so that
-its peak RSS is its own; printed: peak RSS growth over the RSS just before the step and the
+its peak RSS is its own; printed: peak RSS growth over the RSS just before the step (the
+kernel's high-water mark VmHWM, reset before the step, minus VmRSS then) and the
 wall time of forward + backward (one run after a warm-up at T = 512).
 
 Peers (`--modes kimilinear qwen3`), the same loss on the same tokens: transformers'
@@ -94,7 +95,7 @@ def measure(mode: str, length: int, args) -> dict:
     model, run = build(mode, args.segment, args.sampled)
     run(512)  # warm-up
     model.zero_grad(set_to_none=True)
-    before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = reset_peak_rss()
     start = time.perf_counter()
     try:
         run(length)
@@ -103,9 +104,23 @@ def measure(mode: str, length: int, args) -> dict:
             raise
         return {"mode": mode, "T": length, "oom": True}
     seconds = time.perf_counter() - start
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"mode": mode, "T": length, "fwd_bwd_s": round(seconds, 2),
-            "peak_rss_growth_MiB": round((peak_kib - before_kib) / 1024)}  # fmt: skip
+            "peak_rss_growth_MiB": round((status_bytes("VmHWM") - before) / 2**20)}  # fmt: skip
+
+
+def reset_peak_rss() -> int:
+    """Reset the kernel's RSS high-water mark (VmHWM) to the current RSS and return it, in
+    bytes (Linux), so that what imports and model building reached cannot hide a smaller step."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_bytes("VmRSS")
+
+
+def status_bytes(key: str) -> int:
+    """A memory line of /proc/self/status (kB), in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
 
 
 def child(mode: str, length: int, args) -> str:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from policy.k3 import K3ForCausalLM, footprint, k3_preset
+from policy.k3.footprint import PeakBytes
 from policy.logprobs import TokenLogprobs
-from tests.policy.k3.test_segments import PeakBytes
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scale_plan.py"
 

@@ -17,7 +17,8 @@
   per token are then a + b/s and per call d/s + e/s^2, fitted at two scales, checked against a
   probe at a third, and read at s = 1.
 - `learner_carry`, `learner_keys`, `head_row_bytes`: the per-token terms of the learner's memory
-  (checked against the peak live bytes of forward + backward: tests/test_scale_plan.py).
+  (checked against the peak live bytes of forward + backward: tests/test_scale_plan.py);
+  `PeakBytes`, the peak live tensor bytes of a block of code (benchmarks/learner_bytes.py).
 
 Letters: D hidden size, L MLA latent width (kv_lora_rank + qk_rope_head_dim), H heads.
 """
@@ -28,6 +29,8 @@ import functools
 import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from policy.k3.attn_res import attn_res
 from policy.k3.cache import K3Cache
@@ -171,6 +174,35 @@ def _probe_model(config: K3Config, dtype: torch.dtype) -> K3ForCausalLM:
     for buf in model.buffers():
         buf.zero_()
     return model
+
+
+class PeakBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages created inside the mode and still alive (forward,
+    recomputation and backward; parameters are not counted, their views only once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.refs: dict[int, weakref.ref] = {}
+        self.now = self.peak = 0
+
+    def _release(self, key: int, _ref) -> None:
+        self.now -= self.live.pop(key, 0)
+        self.refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key in self.live or storage.nbytes() == 0:
+                    continue
+                self.live[key] = storage.nbytes()
+                self.refs[key] = weakref.ref(storage, lambda ref, key=key: self._release(key, ref))
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+        return out
 
 
 class SavedBytes:

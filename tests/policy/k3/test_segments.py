@@ -5,14 +5,11 @@ with T; bf16 autocast keeps the sensitive parts in fp32."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from policy.k3.attn_res import attn_res
+from policy.k3.footprint import PeakBytes
 from policy.k3.segments import segmented_hidden
 from policy.logprobs import decoder_hidden
 from tests.policy.k3.test_engine import make_model
@@ -99,35 +96,6 @@ def test_segments_need_a_k3_decoder(tiny_model):
     ids_BT = torch.randint(1, 50, (1, 20))
     with pytest.raises(ValueError, match="needs a K3 policy"):
         decoder_hidden(tiny_model, ids_BT, torch.ones_like(ids_BT), segment_tokens=8)
-
-
-class PeakBytes(TorchDispatchMode):
-    """Peak bytes of the tensor storages created inside the mode and still alive (forward,
-    recomputation and backward; parameters are not counted, their views only once)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.refs: dict[int, weakref.ref] = {}
-        self.now = self.peak = 0
-
-    def _release(self, key: int, _ref) -> None:
-        self.now -= self.live.pop(key, 0)
-        self.refs.pop(key, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                key = storage.data_ptr()
-                if key in self.live or storage.nbytes() == 0:
-                    continue
-                self.live[key] = storage.nbytes()
-                self.refs[key] = weakref.ref(storage, lambda ref, key=key: self._release(key, ref))
-                self.now += storage.nbytes()
-                self.peak = max(self.peak, self.now)
-        return out
 
 
 def peak_bytes(model, ids_BT, mask_BT, segment: int) -> int:
