@@ -47,8 +47,9 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"
     """"stop" (a stop token was emitted, and is included) or "length"."""
-    routed_experts: np.ndarray | None = None
-    """MoE routing for replay, recorded only by engines asked to (policy.k3.engine.K3Policy):
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
+    """MoE routing for replay (left out of `==`: compare with np.array_equal), recorded only
+    by engines asked to (policy.k3.engine.K3Policy):
     int16 [len(prompt) + len(token_ids) - 1, M, Kx] (M MoE layers, Kx experts per token),
     routed_experts[j, m, r] = expert picked in rank r by the m-th MoE layer at input position j
     of prompt + token_ids; row len(prompt) - 1 + i is the routing that produced token_ids[i].

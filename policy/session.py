@@ -37,7 +37,7 @@ gets logits of the new weights at its next step.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -50,7 +50,7 @@ class Sampled:
     token: int
     logprob: float
     """log_softmax(logits / T) at the token over the full vocabulary (greedy: T = 1)."""
-    routes: np.ndarray | None
+    routes: np.ndarray | None = field(compare=False)
     """Routes (int16 [n, M, Kx]: M MoE layers, Kx experts per token) of the positions forwarded
     for this key during this step(): n = 1 if a pending token was fed, 0 if none; None when the
     session records no routing."""

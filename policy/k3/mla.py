@@ -181,9 +181,10 @@ class GatedMLA(nn.Module):
         are made, and the blockwise backward saves only the latents (L values per key instead
         of H * (Q + Dv)). Naive for a sequence from its start, where torch's fused attention
         is fastest. The forms differ in work: absorbed costs H * (L + R) multiply-adds per
-        query-key pair, naive H * (Q + Dv) plus H * R * (Dn + Dv) per key to expand (k3-tiny:
-        absorbed is cheaper; full K3 at 4K-token segments: about 3x naive's FLOPs, 1,152
-        instead of 87,168 bytes saved per key, docs/scale.md)."""
+        query-key pair, naive H * (Q + Dv) plus H * R * (Dn + Dv) per key to expand (FLOPs at
+        k3-tiny: absorbed fewer, though measured no faster, docs/benchmarks.md; full K3: about
+        2.4x naive's at 1,024-token segments, 3.1x at 4,096, for 1,152 instead of 87,168 bytes
+        saved per earlier key, docs/scale.md)."""
         return length == 1 or (self.absorb_past and past > 0)
 
     def forward(

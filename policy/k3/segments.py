@@ -21,7 +21,7 @@ its attention (a transient O(T) per MLA layer).
 
 On a CPU each segment first hands the C heap's free pages back to the OS (host_memory.py): the
 survivors of every segment would otherwise fragment glibc's heap, whose resident size grew by
-~26 KiB per token over ~1 KiB of live tensors (k3-tiny, docs/benchmarks.md).
+~30 KiB per token over ~1 KiB of live tensors (k3-tiny, docs/benchmarks.md).
 
 Left padding works as in the unsegmented forward: each segment gets its slice of the attention
 mask; its MLA queries sit at positions past .. past + S - 1 over all earlier keys, whose key mask

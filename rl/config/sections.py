@@ -331,6 +331,21 @@ class CheckpointConfig(Section):
     checkpoints count like any other."""
 
 
+class StageGate(Section):
+    """Held-out success that ends a curriculum stage before its steps run out (rl/run/
+    curriculum.py): every `every` steps of the stage, `tasks` held-out tasks (one sample each,
+    at the training temperature, at the stage's limits; seeds after the final evaluation's, so
+    the gate never sees those). At `success` or above the stage ends there (a checkpoint, then
+    the next stage; its remaining step numbers are skipped); below it the stage holds."""
+
+    success: float = Field(ge=0, le=1)
+    """The share of gate tasks solved that ends the stage (0: the first gate always passes)."""
+    every: Positive = 2
+    """Steps of the stage between gate evaluations (the first after `every` steps)."""
+    tasks: Positive = 8
+    """Held-out tasks per gate evaluation (its whole cost: keep it small at long stages)."""
+
+
 class StageConfig(Section):
     """One stage of a context curriculum (rl/run/curriculum.py): its steps, and the rollout limits
     and env settings that replace the run's while it lasts."""
@@ -338,7 +353,8 @@ class StageConfig(Section):
     name: Name
     """The stage's name (letters, digits, '.', '_', '-'), shown in the console and logs."""
     steps: Positive
-    """RL steps in this stage; the stages' steps add up to trainer.steps."""
+    """RL steps in this stage (the most, with a `gate`); the stages' steps add up to
+    trainer.steps."""
     max_seq_len: Positive
     """rollout.max_seq_len during the stage."""
     max_turns: Positive | None = None
@@ -347,6 +363,9 @@ class StageConfig(Section):
     """rollout.max_new_tokens during the stage (null: the run's)."""
     env_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Merged over env.kwargs during the stage (e.g. longer documents, more hops)."""
+    gate: StageGate | None = None
+    """End the stage early on held-out success at the stage (`StageGate`); null: the stage runs
+    all its steps. `steps` is then the most the stage may take."""
 
 
 _WORKER = 'use "<worker index>:<groups>" or "any:<groups>" (e.g. "0:2", "any:0")'

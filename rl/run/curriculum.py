@@ -12,6 +12,11 @@ after a resume, so `--resume` in the middle of a curriculum continues in the rig
 checkpoints at the last step of every stage (ordinary step-NNNNNN checkpoints, which
 `checkpoint.keep_last` prunes like any other), and evaluates before and after training at the
 last (longest) stage, so the two evaluations compare like with like.
+
+A stage with a `gate` (rl/config/sections.py StageGate) is evaluated on a few held-out tasks
+every `gate.every` of its steps (`gate_due`); at `gate.success` or above it ends there: the run
+jumps to the stage's last step number (a checkpoint there, so a resume starts in the next
+stage), below it the stage holds, up to its `steps`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,23 @@ def stage_index(cfg: RunConfig, step: int) -> int | None:
         return None
     ends = list(itertools.accumulate(stage.steps for stage in cfg.curriculum))
     return next((i for i, end in enumerate(ends) if step <= end), len(ends) - 1)
+
+
+def gate_due(cfg: RunConfig, step: int) -> bool:
+    """Whether step `step` (1-based) runs its stage's gate: the stage has one, `gate.every` of
+    its steps have run, and it is not the stage's last step (which ends the stage anyway)."""
+    index = stage_index(cfg, step)
+    gate = None if index is None else cfg.curriculum[index].gate
+    if gate is None:
+        return False
+    end = stage_end(cfg, index)
+    start = end - cfg.curriculum[index].steps  # the step before the stage's first
+    return step < end and (step - start) % gate.every == 0
+
+
+def stage_end(cfg: RunConfig, index: int) -> int:
+    """The last step number of stage `index`."""
+    return sum(stage.steps for stage in cfg.curriculum[: index + 1])
 
 
 def stage_ends(cfg: RunConfig) -> set[int]:

@@ -19,11 +19,19 @@ logger = logging.getLogger(__name__)
 
 
 def evaluate(
-    workers, *, tasks: int, samples: int, sampling: SamplingParams, mode: str, env_of=None
+    workers,
+    *,
+    tasks: int,
+    samples: int,
+    sampling: SamplingParams,
+    mode: str,
+    env_of=None,
+    skip: int = 0,
 ) -> EvalResult:
     """The held-out seeds split over the workers, evaluated at once; `env_of`: a mixture's
-    seed -> env id (`mixture_envs`), for per-env results."""
-    seeds = eval_seeds(tasks)
+    seed -> env id (`mixture_envs`), for per-env results; `skip`: start after this many
+    held-out seeds (a curriculum gate leaves the final evaluation's seeds alone)."""
+    seeds = eval_seeds(skip + tasks)[skip:]
     chunks = [seeds[i :: len(workers)] for i in range(len(workers))]
 
     def run(asked: list[list[int]]) -> list:
@@ -76,6 +84,17 @@ def run_evals(cfg, workers, renderer, log: MetricsLogger, *, step: int, label: s
             f"({time.perf_counter() - start:.0f} s){result.per_env_text()}"
         )
     return out
+
+
+def gate_success(cfg, workers, params: SamplingParams, stage: int) -> float:
+    """Held-out success of curriculum stage `stage`'s gate: `gate.tasks` tasks after the final
+    evaluation's seeds, one sample each with the training `params`, at the stage's limits (the
+    workers are at that stage already)."""
+    gate = cfg.curriculum[stage].gate
+    result = evaluate(
+        workers, tasks=gate.tasks, samples=1, sampling=params, mode="gate", skip=cfg.eval.tasks
+    )
+    return result.success
 
 
 def evals_at_longest(

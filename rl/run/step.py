@@ -70,11 +70,18 @@ class StepTail:
             trajlog.append(self.run_dir, step, records)
 
     def finish(
-        self, step: int, metrics: dict, *, checkpoint: bool = False, stage: int | None = None
+        self,
+        step: int,
+        metrics: dict,
+        *,
+        checkpoint: bool = False,
+        stage: int | None = None,
+        skip_to: int | None = None,
     ) -> None:
         """Log, check, evaluate and checkpoint step `step`; `checkpoint`: also save now (a
         curriculum stage ends); `stage`: the curriculum stage training (evaluations run at the
-        longest one, then training goes on at this one)."""
+        longest one, then training goes on at this one); `skip_to`: a curriculum gate passed,
+        the run continues after this step number (saved now, under that number)."""
         cfg, alarm = self.cfg, None
         if "rollout/success_rate" in metrics:
             alarm = self.detector.update(metrics["rollout/success_rate"])
@@ -84,14 +91,14 @@ class StepTail:
         self.log.log(step, metrics)
         check_skipped(step, metrics, cfg.trainer.max_skipped_steps, self.run_dir)
         check_env_errors(step, metrics, cfg.rollout.max_env_error_rate, cfg.env.id, self.run_dir)
-        self.state.step = step
+        self.state.step = skip_to or step
         self.bar.write(
             console_line(step, cfg.trainer.steps, metrics) + (f"\n!!! {alarm}" * bool(alarm))
         )
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.steps:
             self.evaluate(step, stage)
         every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
-        if step == cfg.trainer.steps or every or checkpoint:
+        if step == cfg.trainer.steps or every or checkpoint or skip_to:
             path = save_checkpoint(
                 self.run_dir, self.state, self.learner, keep_last=cfg.checkpoint.keep_last
             )
@@ -99,7 +106,7 @@ class StepTail:
                 self.on_checkpoint(path)
         if "rollout/success_rate" in metrics:
             self.bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
-        self.bar.update(1)
+        self.bar.update(self.state.step - step + 1)
 
     def evaluate(self, step: int, stage: int | None) -> None:
         """The held-out evaluation of `eval.every`, logged at `step` under the algorithm's

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rl.config.runfile import ConfigError, load_config
-from rl.run.curriculum import stage_ends, stage_index, staged
+from rl.run.curriculum import gate_due, stage_end, stage_ends, stage_index, staged
 from tests.rl.test_e2e import ROOT, tiny_overrides
 from tests.rl.test_resume import cli, weights_hash
 
@@ -48,6 +48,30 @@ def test_stages_are_validated_and_mapped_to_steps(tmp_path):
         with pytest.raises(ConfigError, match=fragment) as info:
             load_config(run_file(tmp_path, stages), overrides)
         assert info.value.key == key
+
+
+GATED = [  # stage 1 holds (an untrained policy solves nothing), stage 2 passes at once
+    {**STAGES[0], "gate": {"success": 1.0, "every": 1, "tasks": 2}},
+    {**STAGES[1], "steps": 3, "gate": {"success": 0.0, "every": 1, "tasks": 2}},
+    {"name": "last", "steps": 1, "max_seq_len": 768, "max_turns": 2},
+]
+
+
+def test_gates_are_due_every_few_steps_of_their_stage_and_validated(tmp_path):
+    cfg = load_config(run_file(tmp_path, GATED), ["trainer.steps=6"])
+    assert [gate_due(cfg, s) for s in range(1, 7)] == [True, False, True, True, False, False]
+    assert [stage_end(cfg, i) for i in range(3)] == [2, 5, 6]
+    every_2 = [{**GATED[1], "steps": 5, "gate": {"success": 0.5, "every": 2}}]
+    cfg = load_config(run_file(tmp_path, every_2), ["trainer.steps=5"])
+    assert [gate_due(cfg, s) for s in range(1, 6)] == [False, True, False, True, False]
+    assert cfg.curriculum[0].gate.tasks == 8
+    for gate, fragment in [({"success": -0.1}, ">= 0"), ({"success": 1.5}, "<= 1"),
+                           ({"success": 0.5, "every": 0}, "> 0"),
+                           ({"success": 0.5, "task": 2}, "task")]:  # fmt: skip
+        stages = [{**STAGES[0], "gate": gate}]
+        with pytest.raises(ConfigError, match=fragment) as info:
+            load_config(run_file(tmp_path, stages), ["trainer.steps=2"])
+        assert info.value.key.startswith("curriculum[0].gate")
 
 
 def test_the_shipped_long_context_schedule_validates():
@@ -98,3 +122,22 @@ def test_a_curriculum_checkpoints_at_stage_ends_and_resumes_in_its_stage(tmp_pat
     assert "curriculum stage 2/2 'long'" in resumed.stdout
     assert [r["curriculum/stage"] for r in train_records(run_b)] == [1, 1, 2, 2]
     assert weights_hash(run_b) == weights_hash(run_a)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_gate_holds_a_stage_below_its_success_and_ends_it_above(tmp_path):
+    """Stage 1's gate (100% needed) holds it to its last step; stage 2's (0%) passes after its
+    first step: the run jumps to stage 2's last step number (a checkpoint there) and goes on
+    in stage 3. An untrained policy solves none of stage 1's two gate tasks."""
+    path = run_file(tmp_path, GATED)
+    run = cli(path, *overrides(tmp_path / "g"), "trainer.steps=6")
+    assert run.returncode == 0, run.stderr[-3000:]
+    (run_dir,) = (tmp_path / "g").glob("e2e-*")
+    records = train_records(run_dir)
+    assert [(r["step"], r["curriculum/stage"]) for r in records] == [(1, 1), (2, 1), (3, 2), (6, 3)]
+    gates = {r["step"]: r.get("curriculum/gate_passed") for r in records}
+    assert gates == {1: 0.0, 2: None, 3: 1.0, 6: None}
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [
+        "step-000002", "step-000005", "step-000006"]  # fmt: skip
+    assert "holds the stage" in run.stdout and "passes: the stage ends here" in run.stdout
