@@ -76,12 +76,10 @@ def trim_books(
         for f in client.hkeys(key)
         if _below(_text(f), family, below)
     }
-    script = client.register_script(TRIM_HASHES)
     chunks = [sorted(fields)[i : i + CHUNK] for i in range(0, len(fields), CHUNK)] or [[]]
-    for chunk in chunks:
-        attempts, produced = script(
-            keys=[keys.attempts, keys.produced, keys.trimmed], args=[below, *chunk]
-        )
+    hashes = [keys.attempts, keys.produced, keys.trimmed]
+    for chunk in chunks:  # EVAL, not EVALSHA: a restarted redis-server has no script cache
+        attempts, produced = client.eval(TRIM_HASHES, len(hashes), *hashes, below, *chunk)
         out["attempts"] += int(attempts)
         out["produced"] += int(produced)
     head = keys.episodes("")

@@ -186,6 +186,12 @@ class RunConfig(Section):
                 raise ConfigError(
                     f"curriculum[{i}].max_seq_len", f"must be above max_new_tokens ({new})"
                 )
+            if stage.gate is not None and stage.gate.every >= stage.steps:
+                raise ConfigError(
+                    f"curriculum[{i}].gate.every",
+                    f"must be below the stage's steps ({stage.steps}): the stage's last step ends "
+                    "it anyway, so this gate would never run",
+                )
             if stage.env_kwargs and self.env.mix is not None:
                 raise ConfigError(
                     f"curriculum[{i}].env_kwargs",

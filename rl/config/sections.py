@@ -335,13 +335,16 @@ class StageGate(Section):
     """Held-out success that ends a curriculum stage before its steps run out (rl/run/
     curriculum.py): every `every` steps of the stage, `tasks` held-out tasks (one sample each,
     at the training temperature, at the stage's limits; seeds after the final evaluation's, so
-    the gate never sees those). At `success` or above the stage ends there (a checkpoint, then
-    the next stage; its remaining step numbers are skipped); below it the stage holds."""
+    the gate never sees those, except in a task file with fewer held-out rows than both take).
+    At `success` or above the stage ends there (a checkpoint, then the next stage; its remaining
+    step numbers are skipped; a gate on the last stage ends the run); below it the stage
+    holds."""
 
     success: float = Field(ge=0, le=1)
     """The share of gate tasks solved that ends the stage (0: the first gate always passes)."""
     every: Positive = 2
-    """Steps of the stage between gate evaluations (the first after `every` steps)."""
+    """Steps of the stage between gate evaluations (the first after `every` steps); below the
+    stage's steps."""
     tasks: Positive = 8
     """Held-out tasks per gate evaluation (its whole cost: keep it small at long stages)."""
 

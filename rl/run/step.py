@@ -95,7 +95,9 @@ class StepTail:
         self.bar.write(
             console_line(step, cfg.trainer.steps, metrics) + (f"\n!!! {alarm}" * bool(alarm))
         )
-        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.steps:
+        evals = cfg.eval.every
+        crossed = evals and self.state.step // evals > (step - 1) // evals  # a jump may skip one
+        if crossed and self.state.step < cfg.trainer.steps:
             self.evaluate(step, stage)
         every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
         if step == cfg.trainer.steps or every or checkpoint or skip_to:

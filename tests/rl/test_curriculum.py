@@ -72,6 +72,10 @@ def test_gates_are_due_every_few_steps_of_their_stage_and_validated(tmp_path):
         with pytest.raises(ConfigError, match=fragment) as info:
             load_config(run_file(tmp_path, stages), ["trainer.steps=2"])
         assert info.value.key.startswith("curriculum[0].gate")
+    never = [{**STAGES[0], "gate": {"success": 0.5, "every": 2}}]  # steps 2: no gate step left
+    with pytest.raises(ConfigError, match="below the stage's steps") as info:
+        load_config(run_file(tmp_path, never), ["trainer.steps=2"])
+    assert info.value.key == "curriculum[0].gate.every"
 
 
 def test_the_shipped_long_context_schedule_validates():
