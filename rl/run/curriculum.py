@@ -53,7 +53,7 @@ def stage_end(cfg: RunConfig, index: int) -> int:
 
 def stage_ends(cfg: RunConfig) -> set[int]:
     """The steps that end a stage (a checkpoint is taken at each)."""
-    return set(itertools.accumulate(stage.steps for stage in cfg.curriculum))
+    return {stage_end(cfg, i) for i in range(len(cfg.curriculum))}
 
 
 def staged(cfg: RunConfig, index: int | None) -> RunConfig:

@@ -49,7 +49,7 @@ def sync_train(
         metrics = rollout_metrics(stats)
         metrics.update(ray.get(learner.step.remote()))
         metrics.update(tail.record(step))
-        skip_to = _gate(cfg, workers, params, step, metrics, bar) if stage is not None else None
+        skip_to = _gate(cfg, workers, params, step, metrics, bar)
         metrics["step/seconds"] = time.perf_counter() - start
         if stage is not None:
             metrics["curriculum/stage"] = float(stage + 1)

@@ -19,6 +19,7 @@ from policy.k3.segments import segmented_hidden
 
 CHILD = """
 import json, sys, torch
+from benchmarks.long_learner import reset_peak_rss, status_bytes
 from policy.k3 import K3ForCausalLM, k3_preset
 from policy.logprobs import TokenLogprobs
 torch.set_num_threads(1)
@@ -32,15 +33,10 @@ def step(length):
     select_BT[:, -16:] = True
     logp_BT, _, _, _ = trunk(ids_BT, torch.ones_like(ids_BT), 1.0, select_BT)
     (-(logp_BT * select_BT).sum()).backward()
-def status(key):
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(key + ":")).split()[1]) / 1024
 step(1024)
-before = status("VmRSS")
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the high-water mark restarts from here
+before = reset_peak_rss()  # the high-water mark restarts from here
 step(8192)
-print(json.dumps(status("VmHWM") - before))
+print(json.dumps((status_bytes("VmHWM") - before) / 2**20))
 """
 
 
