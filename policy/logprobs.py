@@ -150,7 +150,7 @@ class TokenLogprobs(torch.nn.Module):
         self.segment_tokens = segment_tokens  # decoder_hidden's segments (0 = one forward)
         self.context = context
         """A process group of context ranks (K3 policies; policy/k3/context.py) or None: each
-        rank runs its shard of every sequence (`shard_bounds`), and the logprobs and entropy
+        rank runs its shard of every sequence (`context_span`), and the logprobs and entropy
         come back whole on every rank of the group (hidden None)."""
 
     def forward(
@@ -196,11 +196,11 @@ class TokenLogprobs(torch.nn.Module):
         anchor rides on the logprobs so that the carry's gradient goes back)."""
         import torch.distributed as dist
 
-        from policy.k3.context import context_hidden, replicated_sum, shard_span
+        from policy.k3.context import context_hidden, context_span, replicated_sum
 
         group, length = self.context, input_ids_BT.shape[1]
         ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-        a, b = shard_span(length, ranks, rank, self.segment_tokens)
+        a, b = context_span(self.policy.config, length, ranks, rank, self.segment_tokens)
         hidden_BSD, anchor = context_hidden(
             self.policy.get_decoder(), input_ids_BT[:, a:b], attention_mask_BT[:, a:b],
             group=group, segment=self.segment_tokens or b - a,

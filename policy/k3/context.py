@@ -1,17 +1,30 @@
 """Context parallelism for the K3 decoder: one sequence split over the ranks of a process group,
-rank r holding tokens [bounds[r], bounds[r + 1]), the token-mixing carry relayed rank to rank.
+rank r holding tokens [bounds[r], bounds[r + 1]), the ranks working at the same time.
 
 K3 mixes tokens only through KDA (a recurrent state and a short-conv tail) and MLA (attention
 over earlier latents; NoPE, so no positions); everything else is per token (see segments.py).
-Rank r therefore runs its shard exactly as `carried_hidden` runs a later segment, given the
-carry of everything before it: per KDA layer the state and conv tails, per MLA layer the latent
-chunks of every earlier shard, and their key masks. After its forward, rank r - 1 sends that
-carry (what it received plus what its shard added) to rank r; in the backward the carry's
-gradient flows back the same way, through two autograd functions whose forward and backward
-are point-to-point transfers (`_Recv` on the receiving rank, `_Send` on the sending one).
+Each rank runs its shard layer by layer (a wavefront), and per layer takes from rank r - 1
+what the layer needs of the tokens before its shard (relay.py):
+
+    KDA layer:  the state and conv tails after rank r - 1's shard; rank r starts the layer
+                when rank r - 1 has finished it (and sends its own on when done)
+    MLA layer:  the latents of every earlier shard; rank r computes its own shard's latents
+                first (a cheap per-token projection), forwards them with the received ones,
+                and only then attends: the ranks' attention, the quadratic part, overlaps
+    masks:      the key masks of every earlier shard, once, before layer 0
+
+So rank r runs layer l while rank r + 1 runs layer l - 1, and every MLA layer's attention runs
+on all ranks at once; the backward runs the same wavefront in reverse (the carries' gradients
+come back through relay.py's autograd functions). Inside a layer the shard runs in segments,
+each one activation checkpoint (with gradients on), as segments.py does for one rank.
+
+Balanced work: a rank's share of a layer costs a per-token part plus an attention part that
+grows with position (query t meets t keys). `shard_bounds` with `pair_cost(config)` (one
+query-key pair's FLOPs over one token's) gives earlier ranks more tokens so that the ranks'
+FLOPs are even; with 0 the split is by tokens.
 
     hidden_BSD, anchor = context_hidden(decoder, ids_BS, mask_BS, group=group, segment=4096)
-    loss = shard_loss(hidden_BSD) + anchor   # anchor: 0, ties the carry's gradient to the loss
+    loss = shard_loss(hidden_BSD) + anchor   # anchor: 0, ties the carries' gradients to the loss
     loss.backward()                          # then sum the parameter gradients over the group
 
 Rules: every rank of `group` calls `context_hidden` once per forward and runs its backward
@@ -20,86 +33,219 @@ ranks of `group` (FSDP2 all-gathers or EP all-to-alls that include another conte
 wait for a rank that waits for the carry); the group needs gloo for its small CPU headers
 ("cpu:gloo,cuda:nccl" on GPUs, as the learner's).
 
-What it is and is not, today:
-- exact: the hidden states and the (summed) parameter gradients equal one rank's over the
-  whole sequence (tests/policy/k3/test_context.py, float64, 2 and 3 ranks);
-- memory: a rank holds its shard's activations (one segment's with checkpointing) plus the
-  carry, whose MLA latents are O(T) like the segmented learner's;
-- time: the relay is sequential: rank r starts when rank r - 1 has finished its forward, and
-  the backward runs back in reverse; nothing overlaps yet, so it splits memory, not time.
+What it is: exact (the hidden states and the summed parameter gradients equal one rank's over
+the whole sequence: tests/policy/k3/test_context.py, float64, 2 and 3 ranks); a rank holds its
+shard's per-layer residual sources and the earlier shards' latents (O(T)), and one segment's
+activations at a time; time: see docs/benchmarks.md (1 rank against 2 context ranks).
 
-Letters: B batch, S tokens of this rank's shard, D hidden size.
+Letters: B batch, S tokens of this rank's shard, D hidden size, L MLA latent width, K experts
+per token.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
+from policy.k3.attn_res import AttnResState
+from policy.k3.host_memory import release_free_heap
 from policy.k3.kda import KDACache
-from policy.k3.segments import Carry, carried_hidden, empty_carry
-
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.uint8)
+from policy.k3.relay import Relay
+from policy.k3.segments import SegmentCache
 
 
 def context_hidden(decoder, input_ids_BS: Tensor, attention_mask_BS: Tensor | None, *, group,
-                   segment: int, **moe) -> tuple[Tensor, Tensor]:  # fmt: skip
+                   segment: int, replay_experts=None, return_routing: bool = False,
+                   ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """This rank's shard of one sequence through the K3 decoder -> (hidden [B, S, D], anchor).
 
     Shards are contiguous and in rank order within `group`; every rank calls this once per
-    forward. `segment`: checkpointed segments inside the shard (segments.py); `moe`:
-    replay_experts / return_routing for the shard's tokens (routes are then not returned).
-    Add the anchor (a 0 that carries the relay's backward) to the loss before `backward()`."""
-    if input_ids_BS.shape[1] == 0:
+    forward. `segment`: checkpointed segments inside the shard; replay_experts: per MoE layer
+    the shard's [B, S, K] (routes are not returned: return_routing is ignored). Add the anchor
+    (a 0 that carries the relay's backward) to the loss before `backward()`."""
+    del return_routing
+    _batch, length = input_ids_BS.shape
+    if length == 0:
         raise ValueError("every context rank needs at least one token of the sequence")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    carry = empty_carry(decoder) if rank == 0 else _receive(decoder, group, rank - 1)
-    moe.pop("return_routing", None)
-    hidden_BSD, _, carry = carried_hidden(
-        decoder, input_ids_BS, attention_mask_BS, segment=segment, carry=carry, **moe
-    )
-    # 0 tied to the shard's last hidden state (so to the received carry): the backward reaches
-    # _Recv, whose gradient the previous rank waits for, even if no loss token is in the shard
-    if hidden_BSD.requires_grad:
-        anchor = _Zero.apply(hidden_BSD[:, -1:, :1])
-    else:
-        anchor = hidden_BSD.new_zeros(())
-    if rank + 1 < world:
-        dst, flat = dist.get_global_rank(group, rank + 1), _flatten(carry)
-        header = _header(carry, flat)
-        dist.send(torch.tensor([len(header)]), dst, group=group)
-        dist.send(header, dst, group=group)
-        if any(x.requires_grad for x in flat):
-            anchor = anchor + _Send.apply(dst, group, *flat).to(anchor.dtype)
+    if segment <= 0:
+        raise ValueError(f"segment must be a positive number of tokens, got {segment}")
+    mask_BS = torch.ones_like(input_ids_BS) if attention_mask_BS is None else attention_mask_BS
+    relay = Relay(group, input_ids_BS.device)
+    shard = _Shard(decoder, mask_BS[:, -length:], segment, relay)
+    hidden_BSD = decoder.embed_tokens(input_ids_BS)
+    state = hidden_BSD if decoder.config.attn_res_block_size is None else (
+        AttnResState.start(hidden_BSD))  # fmt: skip
+    replays = iter(replay_experts) if replay_experts is not None else None
+    for layer in decoder.layers:
+        replay_BSK = next(replays) if replays is not None and layer.is_sparse else None
+        if layer.is_kda:
+            out_BSD = shard.kda_layer(layer, state, replay_BSK)
         else:
-            _send_all(flat, dst, group)  # no graph: no gradient comes back
-    return hidden_BSD, anchor
+            out_BSD = shard.mla_layer(layer, state, replay_BSK)
+        state = layer.next_state(state, out_BSD)
+    outs = [shard.run(_final, decoder, _slice(state, a, b)) for a, b in shard.spans]
+    hidden_BSD = torch.cat(outs, dim=1)
+    return hidden_BSD, relay.finish(hidden_BSD)
 
 
-def shard_bounds(length: int, ranks: int, segment: int = 0) -> list[int]:
+class _Shard:
+    """One rank's shard in segments: its spans, key masks (the earlier ranks' first, received
+    once), and how each segment of a layer runs (a checkpoint when gradients are on)."""
+
+    def __init__(self, decoder, mask_BS: Tensor, segment: int, relay: Relay) -> None:
+        length = mask_BS.shape[1]
+        self.spans = [(a, min(a + segment, length)) for a in range(0, length, segment)]
+        self.mask_BS, self.relay = mask_BS, relay
+        own = tuple(mask_BS[:, a:b].bool() for a, b in self.spans)
+        earlier = tuple(m.bool() for m in relay.receive())
+        relay.send(tuple(m.to(torch.uint8) for m in (*earlier, *own)))
+        self.earlier_masks, self.own_masks = earlier, own
+        self.release = mask_BS.device.type == "cpu" and getattr(decoder, "release_heap", True)
+        self.recompute = torch.is_grad_enabled()
+
+    def run(self, fn, *args):
+        return checkpoint(fn, *args, use_reentrant=False) if self.recompute else fn(*args)
+
+    def kda_layer(self, layer, state, replay_BSK: Tensor | None) -> Tensor:
+        """A KDA layer over the shard from rank r - 1's state; its own state sent on."""
+        received = self.relay.receive()
+        carry = KDACache(*received) if received else None
+        outs = []
+        for i, (a, b) in enumerate(self.spans):
+            out_BSD, carry = self.run(_unit, layer, _slice(state, a, b), self.mask_BS[:, a:b],
+                                      carry, None, (), _cut(replay_BSK, a, b),
+                                      self.release and i == 0)  # fmt: skip
+            outs.append(out_BSD)
+        self.relay.send((carry.conv_q, carry.conv_k, carry.conv_v, carry.state))
+        return torch.cat(outs, dim=1)
+
+    def mla_layer(self, layer, state, replay_BSK: Tensor | None) -> Tensor:
+        """An MLA layer: own latents first, sent on with the received ones, then attention."""
+        received = self.relay.receive()
+        own = tuple(self.run(_latent, layer, _slice(state, a, b)) for a, b in self.spans)
+        self.relay.send((*received, *own))
+        chunks, masks = (*received, *own), (*self.earlier_masks, *self.own_masks)
+        outs = []
+        for i, (a, b) in enumerate(self.spans):
+            before = len(received) + i  # chunks of the tokens before this segment
+            out_BSD, _ = self.run(_unit, layer, _slice(state, a, b), self.mask_BS[:, a:b], None,
+                                  chunks[:before], masks[:before], _cut(replay_BSK, a, b),
+                                  self.release and i == 0)  # fmt: skip
+            outs.append(out_BSD)
+        return torch.cat(outs, dim=1)
+
+
+def _unit(layer, state, mask_BS, kda, latents, masks, replay_BSK, release: bool):
+    """One layer over one segment -> (its output [B, S, D], the KDA carry after it or None).
+    latents / masks: the chunks of every earlier token (MLA)."""
+    if release:
+        release_free_heap()  # what the previous layer (or its backward) freed
+    index = layer.layer_idx
+    cache = SegmentCache((None,) * index + (kda,), (None,) * index + (latents,), masks)
+    cache.begin(mask_BS, mask_BS.shape[1])
+    mask_BS = None if bool(mask_BS.all()) else mask_BS  # as K3Model: identical, cheaper
+    out_BSD, _ = layer(state, mask_BT=mask_BS, cache=cache, replay_TK=replay_BSK)
+    return out_BSD, cache.kda_out[index]
+
+
+def _latent(layer, state) -> Tensor:
+    """The MLA latents [B, S, L] of one segment (through the layer's call: sharded weights)."""
+    return layer(state, latent_only=True)[0]
+
+
+def _final(decoder, state) -> Tensor:
+    """The decoder's output over one segment: AttnRes over the sources, then the final norm."""
+    if decoder.config.attn_res_block_size is not None:
+        state = decoder.output_attn_res(state)
+    return decoder.norm(state)
+
+
+def _slice(state, a: int, b: int):
+    """Positions a..b-1 of a residual state (AttnResState or the hidden [B, S, D])."""
+    if isinstance(state, Tensor):
+        return state[:, a:b]
+    blocks = tuple(x[:, a:b] for x in state.blocks)
+    return AttnResState(blocks, None if state.partial is None else state.partial[:, a:b])
+
+
+def _cut(replay_BSK: Tensor | None, a: int, b: int) -> Tensor | None:
+    return None if replay_BSK is None else replay_BSK[:, a:b]
+
+
+def shard_bounds(length: int, ranks: int, segment: int = 0, pair_cost: float = 0.0) -> list[int]:
     """[0, ..., length]: rank r's shard of a `length`-token sequence is [b[r], b[r + 1]).
-    segment > 0 and length >= min_length(ranks, segment): whole segments, the
-    ceil(length / segment) segments split as evenly as counts allow (earlier ranks take the
-    extra one), so that the ranks together make exactly the calls of one rank running the same
-    segments; otherwise (shorter, or segment 0) `length` split as evenly as tokens allow (each
-    shard then no longer than a segment). Raises when a rank would get no token."""
+
+    segment > 0 and length >= min_length(ranks, segment): whole segments (so that the ranks
+    together make exactly the calls of one rank running the same segments), in contiguous runs
+    of at least one per rank whose largest cost is as small as can be. A segment [a, b) costs
+    its tokens plus `pair_cost` per query-key pair (query t meets t + 1 keys): with
+    pair_cost 0 the segments are split as evenly as counts allow (earlier ranks take the extra
+    one); with `pair_cost(config)` earlier ranks take more tokens and the ranks' FLOPs are even.
+    Otherwise (shorter, or segment 0) `length` split as evenly as tokens allow (each shard then
+    no longer than a segment). Raises when a rank would get no token."""
     if length < ranks:
         raise ValueError(
             f"{length} tokens leave one of {ranks} context ranks without a token: pad to {ranks}"
         )
-    unit = segment if segment and length >= min_length(ranks, segment) else 1
-    units = -(-length // unit)
-    counts = [units // ranks + (r < units % ranks) for r in range(ranks)]
-    bounds = [0]
-    for count in counts:
-        bounds.append(min(length, bounds[-1] + count * unit))
-    return bounds
+    if not (segment and length >= min_length(ranks, segment)):
+        counts = [length // ranks + (r < length % ranks) for r in range(ranks)]
+        return [sum(counts[:r]) for r in range(ranks + 1)]
+    edges = [*range(0, length, segment), length]
+    costs = [(b - a) * (1 + pair_cost * (a + b + 1) / 2) for a, b in itertools.pairwise(edges)]
+    return [edges[i] for i in _balanced_cuts(costs, ranks)]
 
 
-def shard_span(length: int, ranks: int, rank: int, segment: int = 0) -> tuple[int, int]:
-    """Rank `rank`'s shard [a, b) of `shard_bounds(length, ranks, segment)`."""
-    bounds = shard_bounds(length, ranks, segment)
+def pair_cost(config) -> float:
+    """One query-key pair's FLOPs over one token's per-token FLOPs, for `shard_bounds`: per MLA
+    layer the absorbed form's H * (L + R) multiply-adds (scores over the latent, values over
+    c_kv), against 1 per active weight a token touches (embedding and LM head left out: long
+    trajectories put few positions through the head). k3-tiny: about 1 / 2,800 tokens."""
+    from policy.k3.configuration import count_parameters
+
+    counts = count_parameters(config)
+    per_token = counts["active_non_embedding"] - counts["lm_head"]
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    per_pair = config.num_attention_heads * (latent + config.kv_lora_rank)
+    return config.layer_types.count("full_attention") * per_pair / per_token
+
+
+def context_span(config, length: int, ranks: int, rank: int, segment: int) -> tuple[int, int]:
+    """Rank `rank`'s shard [a, b) of a `length`-token sequence of a K3 `config`, whole segments
+    balanced by FLOPs (`shard_bounds` with `pair_cost(config)`): the learner's split."""
+    return shard_span(length, ranks, rank, segment, pair_cost(config))
+
+
+def _balanced_cuts(costs: list[float], parts: int) -> list[int]:
+    """[0, ..., n]: `costs` cut into `parts` non-empty contiguous runs, the largest run's sum
+    the smallest (to a relative 1e-12) that any such cut achieves (bisection on that sum; the
+    runs filled greedily from the left)."""
+    low, high = max(costs), sum(costs)
+    while high - low > 1e-12 * high:
+        cap = (low + high) / 2
+        low, high = (low, cap) if len(_fill(costs, cap, parts)) <= parts + 1 else (cap, high)
+    return _fill(costs, high, parts)
+
+
+def _fill(costs: list[float], cap: float, parts: int) -> list[int]:
+    """Runs filled up to `cap` from the left, each cut early where the rest must give every
+    later run one item; -> cut points (more than parts + 1 when cap is too small)."""
+    cuts, total = [0], 0.0
+    for i, cost in enumerate(costs):
+        if i > cuts[-1] and (total + cost > cap or len(costs) - i <= parts - len(cuts)):
+            cuts.append(i)
+            total = 0.0
+        total += cost
+    return [*cuts, len(costs)]
+
+
+def shard_span(length: int, ranks: int, rank: int, segment: int = 0,
+               pair_cost: float = 0.0) -> tuple[int, int]:  # fmt: skip
+    """Rank `rank`'s shard [a, b) of `shard_bounds(length, ranks, segment, pair_cost)`."""
+    bounds = shard_bounds(length, ranks, segment, pair_cost)
     return bounds[rank], bounds[rank + 1]
 
 
@@ -115,20 +261,6 @@ def replicated_sum(x: Tensor, group) -> Tensor:
     return _ReplicatedSum.apply(x, group)
 
 
-class _Zero(torch.autograd.Function):
-    """0, with a zero gradient for x (never NaN, whatever x holds)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        ctx.spec = (x.shape, x.dtype, x.device)
-        return x.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _grad):
-        shape, dtype, device = ctx.spec
-        return torch.zeros(shape, dtype=dtype, device=device)
-
-
 class _ReplicatedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group) -> Tensor:
@@ -139,112 +271,3 @@ class _ReplicatedSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-def _flatten(carry: Carry) -> list[Tensor]:
-    """The carry's tensors in a fixed order: per layer (conv_q, conv_k, conv_v, state) or its
-    latent chunks, then the mask chunks (as uint8)."""
-    out = []
-    for kda, latents in zip(carry.kda, carry.latents, strict=True):
-        out.extend((kda.conv_q, kda.conv_k, kda.conv_v, kda.state) if kda else latents)
-    return out + [mask.to(torch.uint8) for mask in carry.masks]
-
-
-def _header(carry: Carry, flat: list[Tensor]) -> Tensor:
-    """[chunks, whether the carry needs a gradient, then per tensor: dtype code, rank, 4 dims]
-    as int64."""
-    if any(x.dim() > 4 for x in flat):
-        raise ValueError("carry tensors have at most 4 dimensions")
-    grad = any(x.requires_grad for x in flat)
-    rows = [[_DTYPES.index(x.dtype), x.dim(), *x.shape, *[0] * (4 - x.dim())] for x in flat]
-    head = [len(carry.masks), int(grad)]
-    return torch.tensor(head + [v for row in rows for v in row], dtype=torch.long)
-
-
-def _receive(decoder, group, source: int) -> Carry:
-    """The carry sent by `source` (a rank of `group`), as tensors whose gradient goes back."""
-    src = dist.get_global_rank(group, source)
-    size = torch.empty(1, dtype=torch.long)
-    dist.recv(size, src, group=group)
-    header = torch.empty(int(size), dtype=torch.long)
-    dist.recv(header, src, group=group)
-    chunks, grad, specs = int(header[0]), bool(header[1]), header[2:].view(-1, 6).tolist()
-    device = next(decoder.parameters()).device
-    anchor = torch.zeros((), requires_grad=grad)  # no gradient: the sender waits for none
-    flat = _Recv.apply(anchor, src, group, device, tuple(_spec(row) for row in specs))
-    return _unflatten([layer.is_kda for layer in decoder.layers], chunks, list(flat))
-
-
-def _spec(row: list[int]) -> tuple[tuple[int, ...], torch.dtype]:
-    code, ndim, *dims = row
-    return tuple(dims[:ndim]), _DTYPES[code]
-
-
-def _unflatten(kinds: list[bool], chunks: int, flat: list[Tensor]) -> Carry:
-    kda, latents = [], []
-    for is_kda in kinds:
-        if is_kda:
-            kda.append(KDACache(*flat[:4]))
-            latents.append(None)
-            flat = flat[4:]
-        else:
-            kda.append(None)
-            latents.append(tuple(flat[:chunks]))
-            flat = flat[chunks:]
-    masks = tuple(mask.bool() for mask in flat)
-    return Carry(tuple(kda), tuple(latents), masks)
-
-
-def _send_all(flat, dst: int, group) -> None:
-    for x in flat:
-        dist.send(x.detach().contiguous(), dst, group=group)
-
-
-class _Send(torch.autograd.Function):
-    """Forward: send the carry to the next rank, return 0. Backward: receive the carry's
-    gradient from it (floating tensors only)."""
-
-    @staticmethod
-    def forward(ctx, dst: int, group, *flat: Tensor) -> Tensor:
-        _send_all(flat, dst, group)
-        ctx.dst, ctx.group = dst, group
-        ctx.specs = [(x.shape, x.dtype, x.device) for x in flat]
-        return flat[0].new_zeros((), dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, _grad):
-        grads = []
-        for shape, dtype, device in ctx.specs:
-            if not dtype.is_floating_point:
-                grads.append(None)
-                continue
-            grad = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(grad, ctx.dst, group=ctx.group)
-            grads.append(grad)
-        return None, None, *grads
-
-
-class _Recv(torch.autograd.Function):
-    """Forward: receive the carry from the previous rank. Backward: send its gradient there
-    (zeros where this rank's loss does not reach a tensor)."""
-
-    @staticmethod
-    def forward(ctx, anchor: Tensor, src: int, group, device, specs) -> tuple[Tensor, ...]:
-        del anchor  # only there so that autograd calls backward
-        out = []
-        for shape, dtype in specs:
-            x = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(x, src, group=group)
-            out.append(x)
-        ctx.src, ctx.group, ctx.device, ctx.specs = src, group, device, specs
-        ctx.mark_non_differentiable(*[x for x in out if not x.dtype.is_floating_point])
-        return tuple(out)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        for (shape, dtype), grad in zip(ctx.specs, grads, strict=True):
-            if dtype.is_floating_point:
-                if grad is None:
-                    grad = torch.zeros(shape, dtype=dtype, device=ctx.device)
-                dist.send(grad.contiguous(), ctx.src, group=ctx.group)
-        return None, None, None, None, None

@@ -145,22 +145,34 @@ class K3DecoderLayer(nn.Module):
             replay_TK = replay_TK.reshape(-1, replay_TK.shape[-1])
         return self.mlp(x_BTD, replay_indices_TK=replay_TK, return_routing=True)
 
-    def forward(self, state, *, mask_BT=None, cache=None, replay_TK=None):
+    def mixer_input(self, state) -> Tensor:
+        """What the token mixer reads, [B, T, D]: input_layernorm of AttnRes_in(state) (of the
+        hidden itself for a plain residual)."""
+        h_BTD = state if self.block_size is None else self.self_attention_res(state)
+        return self.input_layernorm(h_BTD)
+
+    def forward(self, state, *, mask_BT=None, cache=None, replay_TK=None, latent_only=False):
         """state: AttnResState (the hidden [B, T, D] for a plain residual) -> (out_BTD, routing).
 
         out_BTD is the next hidden, or with AttnRes the layer's new running block sum only: the
         caller carries the stored sources on (`AttnResState.after_layer`). A layer never returns
         a tensor it was given: FSDP2 hands a wrapped layer its inputs as views (its
         post-backward hook is an identity autograd Function), and returning those views would
-        let a later in-place op drop the layer's pre-backward hook."""
+        let a later in-place op drop the layer's pre-backward hook.
+
+        latent_only (MLA layers): -> (the latents [B, T, L] this layer's attention would cache,
+        None), nothing else computed; through the module call so that a sharded layer gathers
+        its weights (context ranks send the latents before they attend, context.py)."""
+        if latent_only:
+            return self.self_attn.latent(self.mixer_input(state)), None
         if self.block_size is None:
-            h_BTD = state + self.mix(self.input_layernorm(state), mask_BT, cache)
+            h_BTD = state + self.mix(self.mixer_input(state), mask_BT, cache)
             out_BTD, routing = self.ffn(self.post_attention_layernorm(h_BTD), replay_TK)
             return h_BTD + out_BTD, routing
-        h_BTD = self.self_attention_res(state)
+        x_BTD = self.mixer_input(state)
         if closes_block(self.layer_idx, self.block_size):
             state = state.close_block()
-        state = state.add(self.mix(self.input_layernorm(h_BTD), mask_BT, cache))
+        state = state.add(self.mix(x_BTD, mask_BT, cache))
         h_BTD = self.mlp_res(state)
         out_BTD, routing = self.ffn(self.post_attention_layernorm(h_BTD), replay_TK)
         return state.add(out_BTD).partial, routing

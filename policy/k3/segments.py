@@ -58,9 +58,9 @@ class Carry(NamedTuple):
 
 class _Latents:
     """Duck-types MLACache's `length` / `append` for GatedMLA: the earlier chunks plus this
-    segment's latent; records the new chunk on the owning _SegmentCache."""
+    segment's latent; records the new chunk on the owning SegmentCache."""
 
-    def __init__(self, owner: _SegmentCache, layer: int) -> None:
+    def __init__(self, owner: SegmentCache, layer: int) -> None:
         self.owner, self.layer = owner, layer
 
     @property
@@ -75,7 +75,7 @@ class _Latents:
         return MLACache(torch.cat(chunks, dim=1), torch.cat(masks, dim=1))
 
 
-class _SegmentCache:
+class SegmentCache:
     """Duck-types K3Cache for one K3Model.forward over one segment, functionally: it reads the
     carry of the earlier segments and records this segment's additions (nothing in place, so
     a checkpoint's recomputation sees exactly the same inputs)."""
@@ -114,7 +114,7 @@ def _segment(decoder, ids_BS, mask_BS, kda_in, latents_in, masks_in, replay, rou
     to the OS first (host_memory.py; the decoder's `release_heap` attribute, default on)."""
     if ids_BS.device.type == "cpu" and getattr(decoder, "release_heap", True):
         release_free_heap()  # what the previous segment (or its backward) freed
-    cache = _SegmentCache(kda_in, latents_in, masks_in)
+    cache = SegmentCache(kda_in, latents_in, masks_in)
     out = decoder(
         ids_BS,
         attention_mask=mask_BS,

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from policy.k3.context import min_length, shard_span
+from policy.k3.context import context_span, min_length
 from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
 from rl import faults
 from rl.config.runfile import ConfigError, FaultsConfig, TrainerConfig
@@ -333,8 +333,8 @@ class Learner:
         if self.shard.context == 1:
             return mask_NT
         context = self.shard.context
-        a, b = shard_span(mask_NT.shape[1], context, self.shard.rank % context,
-                          self.cfg.segment_tokens)  # fmt: skip
+        a, b = context_span(self.model.config, mask_NT.shape[1], context,
+                            self.shard.rank % context, self.cfg.segment_tokens)  # fmt: skip
         return mask_NT[:, a:b]
 
     def _logp(self, model, hidden, mb: TrainBatch) -> torch.Tensor:

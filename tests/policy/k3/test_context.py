@@ -7,6 +7,9 @@ group) against one process, also where a rank has no loss position or predicts n
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -84,6 +87,40 @@ def test_context_ranks_forward_only(tmp_path):
     got_BTD = torch.cat([torch.load(tmp_path / f"rank{r}.pt")["hidden"] for r in range(2)], 1)
     real_BT = mask_BT.bool()
     torch.testing.assert_close(got_BTD[real_BT], hidden_BTD[real_BT], atol=1e-10, rtol=1e-10)
+
+
+def _attend_together_rank(rank, world, out_dir) -> None:
+    """Each rank's MLA attention waits (30 s at most) until the other rank's has begun."""
+    model = make_model(F64)
+    mla = next(layer.self_attn for layer in model.get_decoder().layers if not layer.is_kda)
+    attend = mla.attend
+
+    def attend_when_both(*args, **kwargs):
+        Path(out_dir, f"attending{rank}").touch()
+        deadline = time.monotonic() + 30
+        while not Path(out_dir, f"attending{1 - rank}").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} attends alone: the other rank has not begun")
+            time.sleep(0.01)
+        return attend(*args, **kwargs)
+
+    mla.attend = attend_when_both
+    ids_BT, mask_BT, weight_BTD = inputs()
+    lo, hi = (0, 20, LENGTH)[rank : rank + 2]
+    hidden_BSD, anchor = context_hidden(
+        model.get_decoder(), ids_BT[:, lo:hi], mask_BT[:, lo:hi], group=dist.group.WORLD,
+        segment=SEGMENT,
+    )  # fmt: skip
+    (loss_of(hidden_BSD, weight_BTD[:, lo:hi], mask_BT[:, lo:hi]) + anchor).backward()
+
+
+def test_context_ranks_attend_at_the_same_time(tmp_path):
+    """The ranks' MLA attention (the part that grows with position) runs at the same time: each
+    rank sends its own latents before it attends, so a rank whose attention waits for the
+    other's to begin still finishes. A relay that sends the carry after the whole shard
+    (rank 0 attending before rank 1 can start) fails here with the TimeoutError."""
+    run_ranks(_attend_together_rank, str(tmp_path), world=2, timeout=120)
+    assert {p.name for p in tmp_path.iterdir()} == {"attending0", "attending1"}
 
 
 # --------------------------------------------------------------------------- the learner's trunk
