@@ -19,7 +19,7 @@ come back through relay.py's autograd functions). Inside a layer the shard runs 
 each one activation checkpoint (with gradients on), as segments.py does for one rank.
 
 Balanced work: a rank's share of a layer costs a per-token part plus an attention part that
-grows with position (query t meets t keys). `shard_bounds` with `pair_cost(config)` (one
+grows with position (query t meets t + 1 keys). `shard_bounds` with `pair_cost(config)` (one
 query-key pair's FLOPs over one token's) gives earlier ranks more tokens so that the ranks'
 FLOPs are even; with 0 the split is by tokens.
 
@@ -44,6 +44,7 @@ per token.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -181,10 +182,11 @@ def shard_bounds(length: int, ranks: int, segment: int = 0, pair_cost: float = 0
 
     segment > 0 and length >= min_length(ranks, segment): whole segments (so that the ranks
     together make exactly the calls of one rank running the same segments), in contiguous runs
-    of at least one per rank whose largest cost is as small as can be. A segment [a, b) costs
-    its tokens plus `pair_cost` per query-key pair (query t meets t + 1 keys): with
-    pair_cost 0 the segments are split as evenly as counts allow (earlier ranks take the extra
-    one); with `pair_cost(config)` earlier ranks take more tokens and the ranks' FLOPs are even.
+    of at least one per rank whose largest cost is as small as can be, the others as even as
+    that allows (`_balanced_cuts`). A segment [a, b) costs its tokens plus `pair_cost` per
+    query-key pair (query t meets t + 1 keys): with pair_cost 0 the ranks' segment counts
+    differ by one at most; with `pair_cost(config)` earlier ranks take more tokens and the
+    ranks' FLOPs are even.
     Otherwise (shorter, or segment 0) `length` split as evenly as tokens allow (each shard then
     no longer than a segment). Raises when a rank would get no token."""
     if length < ranks:
@@ -203,7 +205,7 @@ def pair_cost(config) -> float:
     """One query-key pair's FLOPs over one token's per-token FLOPs, for `shard_bounds`: per MLA
     layer the absorbed form's H * (L + R) multiply-adds (scores over the latent, values over
     c_kv), against 1 per active weight a token touches (embedding and LM head left out: long
-    trajectories put few positions through the head). k3-tiny: about 1 / 2,800 tokens."""
+    trajectories put few positions through the head). k3-tiny: about 1 / 3,073."""
     from policy.k3.configuration import count_parameters
 
     counts = count_parameters(config)
@@ -214,32 +216,58 @@ def pair_cost(config) -> float:
 
 
 def context_span(config, length: int, ranks: int, rank: int, segment: int) -> tuple[int, int]:
-    """Rank `rank`'s shard [a, b) of a `length`-token sequence of a K3 `config`, whole segments
-    balanced by FLOPs (`shard_bounds` with `pair_cost(config)`): the learner's split."""
+    """Rank `rank`'s shard [a, b) of a `length`-token sequence of a K3 `config`: the learner's
+    split (`shard_bounds` with `pair_cost(config)`): whole segments balanced by FLOPs, or by
+    tokens for sequences shorter than `min_length` or with `segment` 0."""
     return shard_span(length, ranks, rank, segment, pair_cost(config))
 
 
 def _balanced_cuts(costs: list[float], parts: int) -> list[int]:
-    """[0, ..., n]: `costs` cut into `parts` non-empty contiguous runs, the largest run's sum
-    the smallest (to a relative 1e-12) that any such cut achieves (bisection on that sum; the
-    runs filled greedily from the left)."""
+    """[0, ..., n]: `costs` cut into `parts` non-empty contiguous runs. The largest run's sum is
+    the smallest any cut achieves (to a relative 1e-12: bisection on that cap); within the cap,
+    each cut sits where the running total is closest to its share k / parts of the whole (ties:
+    the later cut), so that the other runs are as even as the cap allows too."""
     low, high = max(costs), sum(costs)
     while high - low > 1e-12 * high:
         cap = (low + high) / 2
-        low, high = (low, cap) if len(_fill(costs, cap, parts)) <= parts + 1 else (cap, high)
-    return _fill(costs, high, parts)
-
-
-def _fill(costs: list[float], cap: float, parts: int) -> list[int]:
-    """Runs filled up to `cap` from the left, each cut early where the rest must give every
-    later run one item; -> cut points (more than parts + 1 when cap is too small)."""
-    cuts, total = [0], 0.0
-    for i, cost in enumerate(costs):
-        if i > cuts[-1] and (total + cost > cap or len(costs) - i <= parts - len(cuts)):
-            cuts.append(i)
-            total = 0.0
-        total += cost
+        low, high = (low, cap) if _runs(costs, cap) <= parts else (cap, high)
+    cap = high * (1 + 1e-9)  # rounding of the sums below must not make the cap unreachable
+    prefix = list(itertools.accumulate(costs, initial=0.0))
+    cuts = [0]
+    for k in range(1, parts):
+        start, later = cuts[-1], parts - k  # later: runs after this one, one item each at least
+        last = start + 1  # the run [start, last): as long as the cap and the later runs allow
+        while last < len(costs) - later and prefix[last + 1] - prefix[start] <= cap:
+            last += 1
+        fits = functools.partial(_suffix_fits, costs, cap, later)
+        first = _bisect_feasible(start + 1, last, fits)
+        share = prefix[-1] * k / parts
+        cuts.append(min(range(first, last + 1), key=lambda p: (abs(prefix[p] - share), -p)))
     return [*cuts, len(costs)]
+
+
+def _bisect_feasible(low: int, high: int, ok) -> int:
+    """The smallest p in [low, high] with ok(p), for ok monotone (false, then true); high if
+    none is."""
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if ok(mid) else (mid + 1, high)
+    return high
+
+
+def _suffix_fits(costs: list[float], cap: float, parts: int, start: int) -> bool:
+    """Whether costs[start:] fit in `parts` runs of at most `cap`."""
+    return _runs(costs[start:], cap) <= parts
+
+
+def _runs(costs: list[float], cap: float) -> int:
+    """How many runs filling up to `cap` from the left take to hold `costs`."""
+    runs, total = 1, 0.0
+    for cost in costs:
+        if total and total + cost > cap:
+            runs, total = runs + 1, 0.0
+        total += cost
+    return runs
 
 
 def shard_span(length: int, ranks: int, rank: int, segment: int = 0,

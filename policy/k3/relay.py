@@ -5,9 +5,9 @@ first sends a header (the count, whether the tensors need a gradient, then per t
 code, rank and shape), then the tensors, without waiting (`isend`): the sender computes on while
 the message travels, and waits for every send once, at the end of its forward (`Relay.finish`).
 The receiver gets tensors that stand for the sender's in autograd: in the backward their
-gradient goes back to the sender (`_Recv.backward` sends it, `_Send.backward` receives it and
-hands it to the sent tensors), and a 0 (the anchor) tied to the sends rides on the sender's
-loss so that autograd reaches them.
+gradient goes back to the sender (`_Recv.backward` sends it without waiting, the sends awaited
+when the backward ends; `_Send.backward` receives it and hands it to the sent tensors), and a 0
+(the anchor) tied to the sends rides on the sender's loss so that autograd reaches them.
 
 Both sides must make the same messages in the same order (the transfers carry no tags): every
 message a rank sends, its next rank receives, one for one. In the backward, autograd runs the
@@ -51,15 +51,17 @@ class Relay:
 
     def send(self, tensors: tuple[Tensor, ...]) -> None:
         """Send `tensors` to rank + 1 (nothing on the last rank); when any needs a gradient
-        (and gradients are on), the gradient rank + 1 sends back reaches them."""
+        (and gradients are on), the gradient rank + 1 sends back reaches them. Sends that have
+        completed are let go first (a no-grad forward keeps nothing else alive)."""
         if self.next is None:
             return
+        self._pending[:] = [(work, x) for work, x in self._pending if not work.is_completed()]
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
         header = _header(tensors, grad)
         self._isend(torch.tensor([len(header)]))
         self._isend(header)
         if grad:
-            zero = _Send.apply(self, *tensors)
+            zero = _Send.apply(self.next, self.group, self._pending, *tensors)
             self._anchor = zero if self._anchor is None else self._anchor + zero
         else:
             for x in tensors:
@@ -76,12 +78,29 @@ class Relay:
         if not hidden_BSD.requires_grad:
             return hidden_BSD.new_zeros(())
         anchor = _Zero.apply(hidden_BSD[:, -1:, :1])
-        if self._anchor is not None:
-            anchor = anchor + self._anchor.to(anchor.dtype)
+        if self._anchor is not None:  # handed over: the relay keeps no graph alive
+            anchor, self._anchor = anchor + self._anchor.to(anchor.dtype), None
         return anchor
 
     def _isend(self, x: Tensor) -> None:
-        self._pending.append((dist.isend(x, self.next, group=self.group), x))
+        _isend(x, self.next, self.group, self._pending)
+
+
+def _isend(x: Tensor, dst: int, group, pending: list) -> None:
+    """Send x without waiting; (work, x) goes on `pending`, which keeps x alive until then."""
+    pending.append((dist.isend(x, dst, group=group), x))
+
+
+def _wait_after_backward(pending: list) -> None:
+    """Wait for `pending` sends once the running backward has finished (autograd's callback),
+    so that a backward never waits for the receiver in the middle of its work."""
+
+    def wait() -> None:
+        for work, _ in pending:
+            work.wait()
+        pending.clear()
+
+    torch.autograd.Variable._execution_engine.queue_callback(wait)
 
 
 def _header(tensors: tuple[Tensor, ...], grad: bool) -> Tensor:
@@ -112,28 +131,30 @@ class _Zero(torch.autograd.Function):
 
 
 class _Send(torch.autograd.Function):
-    """Forward: send the tensors to rank + 1 without waiting, return 0. Backward: receive their
-    gradient from it (floating tensors only)."""
+    """Forward: send the tensors to rank + 1 without waiting (onto `pending`), return 0.
+    Backward: receive their gradient from it (floating tensors only). The node keeps no
+    reference to the Relay: the Relay's anchor leads to this node, and a cycle through autograd
+    nodes would keep the step's graph alive after its backward."""
 
     @staticmethod
-    def forward(ctx, relay: Relay, *tensors: Tensor) -> Tensor:
+    def forward(ctx, dst: int, group, pending: list, *tensors: Tensor) -> Tensor:
         for x in tensors:
-            relay._isend(x.detach().contiguous())
-        ctx.relay = relay
+            _isend(x.detach().contiguous(), dst, group, pending)
+        ctx.dst, ctx.group = dst, group
         ctx.specs = [(x.shape, x.dtype, x.device) for x in tensors]
         return tensors[0].new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, _grad):
-        relay, grads = ctx.relay, []
+        grads = []
         for shape, dtype, device in ctx.specs:
             if not dtype.is_floating_point:
                 grads.append(None)
                 continue
             grad = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(grad, relay.next, group=relay.group)
+            dist.recv(grad, ctx.dst, group=ctx.group)
             grads.append(grad)
-        return None, *grads
+        return None, None, None, *grads
 
 
 class _Recv(torch.autograd.Function):
@@ -154,9 +175,11 @@ class _Recv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        pending = []
         for (shape, dtype), grad in zip(ctx.specs, grads, strict=True):
             if dtype.is_floating_point:
                 if grad is None:
                     grad = torch.zeros(shape, dtype=dtype, device=ctx.device)
-                dist.send(grad.contiguous(), ctx.src, group=ctx.group)
+                _isend(grad.contiguous(), ctx.src, ctx.group, pending)
+        _wait_after_backward(pending)
         return None, None, None, None, None

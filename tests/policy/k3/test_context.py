@@ -7,6 +7,7 @@ group) against one process, also where a rank has no loss position or predicts n
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from policy.k3.context import context_hidden
+from policy.k3.relay import Relay
 from policy.logprobs import TokenLogprobs
 from tests.policy.k3.test_engine import make_model
 from tests.policy.test_parallel import run_ranks
@@ -52,10 +54,14 @@ def _rank(rank, world, bounds, out_dir, grad=True) -> None:
         torch.save({"hidden": hidden_BSD}, f"{out_dir}/rank{rank}.pt")
         return
     (loss_of(hidden_BSD, weight_BTD[:, lo:hi], mask_BT[:, lo:hi]) + anchor).backward()
+    hidden = hidden_BSD.detach()
+    del hidden_BSD, anchor
+    gc.collect()  # nothing of the step outlives it (a cycle through autograd nodes would)
+    assert not [x for x in gc.get_objects() if isinstance(x, Relay)], "the relay leaked"
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     for grad in grads.values():
         dist.all_reduce(grad)
-    torch.save({"hidden": hidden_BSD.detach(), "grads": grads}, f"{out_dir}/rank{rank}.pt")
+    torch.save({"hidden": hidden, "grads": grads}, f"{out_dir}/rank{rank}.pt")
 
 
 @pytest.mark.parametrize("bounds", [(0, 20, LENGTH), (0, 3, 19, LENGTH)])

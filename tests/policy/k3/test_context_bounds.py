@@ -41,9 +41,14 @@ def test_balanced_shards_are_optimal_whole_segments(length, ranks, cost):
     assert max(rank_costs(bounds, cost)) == pytest.approx(best, rel=1e-9)
 
 
-def test_no_pair_cost_splits_segments_evenly_earlier_ranks_first():
-    assert shard_bounds(20, 2, 4) == [0, 12, 20]  # 5 segments: 3 + 2
+def test_no_pair_cost_splits_segment_counts_within_one():
+    assert shard_bounds(20, 2, 4) == [0, 12, 20]  # 5 segments: 3 + 2 (a tie: the later cut)
     assert shard_bounds(24, 3, 4) == [0, 8, 16, 24]
+    for segments in range(2, 40):
+        for ranks in range(2, min(segments, 8) + 1):
+            bounds = shard_bounds(segments * 4, ranks, 4)
+            counts = [(b - a) // 4 for a, b in itertools.pairwise(bounds)]
+            assert max(counts) - min(counts) <= 1, (segments, ranks, counts)
 
 
 def test_k3_tiny_balanced_shards_give_earlier_ranks_more_tokens():
