@@ -11,9 +11,9 @@ space), the transient gathered weights; communication per step (FSDP, EP all-to-
 the weight push; the rollout cache of one 1M-token episode. Activation rates are measured by
 policy/k3/footprint.py (saved-tensor hooks on width-scaled probes, checked at a third width);
 everything else is arithmetic on the config and the constants below. The context parallelism
-planned here, with context ranks working at the same time, is not built (the learner's
-trainer.context_parallel runs policy/k3/context.py, a sequential relay): its rows are the
-design's volumes, not measurements.
+planned here shards the state over every rank; the learner's trainer.context_parallel
+(policy/k3/context.py: ranks at the same time, layer by layer) replicates it over the context
+ranks: its rows are the design's volumes, not measurements.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def state_bytes(split: dict[str, int], devices: int, scheme: dict[str, int]) -> 
 
 def activations_as_built(config, rates, tokens: int, segment: int) -> dict[str, float]:
     """The segmented learner as built on one rank: it holds the whole episode (context ranks,
-    trainer.context_parallel, split it in sequence), a segment is one checkpoint of all layers,
+    trainer.context_parallel, split it), a segment is one checkpoint of all layers,
     and each segment's recomputation attends over every earlier latent (absorbed MLA). Peak at
     the backward of the last segment (what tests/test_scale_plan.py measures on k3-debug)."""
     per_token = footprint.learner_carry(config, segment)

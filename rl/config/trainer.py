@@ -116,12 +116,12 @@ class TrainerConfig(Section):
     context_parallel)."""
     context_parallel: int = 1
     """Ranks that split each trajectory along its tokens (K3 policies; must divide world_size):
-    rank r runs its shard as a later segment from the KDA states, conv tails and MLA latents
-    relayed from the ranks before it (policy/k3/context.py), in trainer.segment_tokens segments
-    (shards hold whole segments once a micro-batch has a segment for every rank; shorter ones
-    are split by tokens). FSDP2 and expert parallelism act over the world_size /
-    context_parallel ranks of one context index. The relay is sequential: it splits a long
-    trajectory's memory over the ranks, not its time. Not with algorithm ppo (the value head
+    the ranks work at the same time, each running its shard layer by layer from the KDA states,
+    conv tails and MLA latents the ranks before it relay (policy/k3/context.py), in
+    trainer.segment_tokens segments (shards hold whole segments balanced by FLOPs, earlier
+    ranks taking more tokens, once a micro-batch has a segment for every rank; shorter ones are
+    split by tokens). FSDP2 and expert parallelism act over the world_size / context_parallel
+    ranks of one context index (the weights are replicated over the context ranks). Not with algorithm ppo (the value head
     reads every position's hidden state); the routing-mismatch metrics are not measured, and a
     KL reference (kl_coef > 0) runs the whole sequence on every context rank. 1 = off."""
     placement_timeout_s: float = Field(30.0, gt=0)
