@@ -121,9 +121,10 @@ class TrainerConfig(Section):
     trainer.segment_tokens segments (shards hold whole segments balanced by FLOPs, earlier
     ranks taking more tokens, once a micro-batch has a segment for every rank; shorter ones are
     split by tokens). FSDP2 and expert parallelism act over the world_size / context_parallel
-    ranks of one context index (the weights are replicated over the context ranks). Not with algorithm ppo (the value head
-    reads every position's hidden state); the routing-mismatch metrics are not measured, and a
-    KL reference (kl_coef > 0) runs the whole sequence on every context rank. 1 = off."""
+    ranks of one context index (the weights are replicated over the context ranks). Not with
+    algorithm ppo (the value head reads every position's hidden state); the routing-mismatch
+    metrics are not measured, and a KL reference (kl_coef > 0) runs the whole sequence on every
+    context rank. 1 = off."""
     placement_timeout_s: float = Field(30.0, gt=0)
     """Fail, naming what is free, if the learner ranks' placement group is not placed in this
     time (the cluster has the resources, checked at start, but other work holds them)."""
