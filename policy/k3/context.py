@@ -226,20 +226,20 @@ def _balanced_cuts(costs: list[float], parts: int) -> list[int]:
     """[0, ..., n]: `costs` cut into `parts` non-empty contiguous runs. The largest run's sum is
     the smallest any cut achieves (to a relative 1e-12: bisection on that cap); within the cap,
     each cut sits where the running total is closest to its share k / parts of the whole (ties:
-    the later cut), so that the other runs are as even as the cap allows too."""
-    low, high = max(costs), sum(costs)
+    the later cut), so that the other runs are as even as the cap allows too. Every run's sum
+    is a difference of the same prefix sums, so the checks below agree to the last bit."""
+    prefix = list(itertools.accumulate(costs, initial=0.0))
+    low, high = max(costs), prefix[-1]
     while high - low > 1e-12 * high:
         cap = (low + high) / 2
-        low, high = (low, cap) if _runs(costs, cap) <= parts else (cap, high)
-    cap = high * (1 + 1e-9)  # rounding of the sums below must not make the cap unreachable
-    prefix = list(itertools.accumulate(costs, initial=0.0))
+        low, high = (low, cap) if _runs(prefix, 0, cap) <= parts else (cap, high)
     cuts = [0]
     for k in range(1, parts):
         start, later = cuts[-1], parts - k  # later: runs after this one, one item each at least
         last = start + 1  # the run [start, last): as long as the cap and the later runs allow
-        while last < len(costs) - later and prefix[last + 1] - prefix[start] <= cap:
+        while last < len(costs) - later and prefix[last + 1] - prefix[start] <= high:
             last += 1
-        fits = functools.partial(_suffix_fits, costs, cap, later)
+        fits = functools.partial(_suffix_fits, prefix, high, later)
         first = _bisect_feasible(start + 1, last, fits)
         share = prefix[-1] * k / parts
         cuts.append(min(range(first, last + 1), key=lambda p: (abs(prefix[p] - share), -p)))
@@ -255,18 +255,18 @@ def _bisect_feasible(low: int, high: int, ok) -> int:
     return high
 
 
-def _suffix_fits(costs: list[float], cap: float, parts: int, start: int) -> bool:
-    """Whether costs[start:] fit in `parts` runs of at most `cap`."""
-    return _runs(costs[start:], cap) <= parts
+def _suffix_fits(prefix: list[float], cap: float, parts: int, start: int) -> bool:
+    """Whether the items from `start` fit in `parts` runs of at most `cap`."""
+    return _runs(prefix, start, cap) <= parts
 
 
-def _runs(costs: list[float], cap: float) -> int:
-    """How many runs filling up to `cap` from the left take to hold `costs`."""
-    runs, total = 1, 0.0
-    for cost in costs:
-        if total and total + cost > cap:
-            runs, total = runs + 1, 0.0
-        total += cost
+def _runs(prefix: list[float], start: int, cap: float) -> int:
+    """How many runs, each filled up to `cap` from the left, hold the items from `start` (whose
+    costs are the steps of the prefix sums `prefix`); an item above the cap has its own run."""
+    runs, begin = 1, start
+    for i in range(start + 1, len(prefix) - 1):
+        if prefix[i + 1] - prefix[begin] > cap:
+            runs, begin = runs + 1, i
     return runs
 
 

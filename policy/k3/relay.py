@@ -3,7 +3,8 @@
 A message is a list of tensors of at most 4 dimensions (float, or uint8 for masks). The sender
 first sends a header (the count, whether the tensors need a gradient, then per tensor its dtype
 code, rank and shape), then the tensors, without waiting (`isend`): the sender computes on while
-the message travels, and waits for every send once, at the end of its forward (`Relay.finish`).
+the message travels, and waits for every send at the end of its forward (`Relay.finish`; a
+no-grad forward also waits for the messages before the previous one at each send).
 The receiver gets tensors that stand for the sender's in autograd: in the backward their
 gradient goes back to the sender (`_Recv.backward` sends it without waiting, the sends awaited
 when the backward ends; `_Send.backward` receives it and hands it to the sent tensors), and a 0
@@ -31,7 +32,7 @@ class Relay:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.prev = dist.get_global_rank(group, rank - 1) if rank > 0 else None
         self.next = dist.get_global_rank(group, rank + 1) if rank + 1 < world else None
-        self._pending: list[tuple[object, Tensor]] = []  # isends in flight, with their tensors
+        self._messages: list[list] = []  # per message in flight: its isends' (work, tensor)
         self._anchor: Tensor | None = None
 
     def receive(self) -> tuple[Tensor, ...]:
@@ -51,30 +52,31 @@ class Relay:
 
     def send(self, tensors: tuple[Tensor, ...]) -> None:
         """Send `tensors` to rank + 1 (nothing on the last rank); when any needs a gradient
-        (and gradients are on), the gradient rank + 1 sends back reaches them. Sends that have
-        completed are let go first (a no-grad forward keeps nothing else alive)."""
+        (and gradients are on), the gradient rank + 1 sends back reaches them. Without one,
+        the messages before the previous one are awaited first, so that a no-grad forward holds
+        two messages' tensors at most (with one, autograd holds them anyway)."""
         if self.next is None:
             return
-        self._pending[:] = [(work, x) for work, x in self._pending if not work.is_completed()]
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
-        header = _header(tensors, grad)
-        self._isend(torch.tensor([len(header)]))
-        self._isend(header)
+        if not grad:
+            self._settle(keep=1)
+        header, message = _header(tensors, grad), []
+        self._messages.append(message)
+        for x in (torch.tensor([len(header)]), header):
+            _isend(x, self.next, self.group, message)
         if grad:
-            zero = _Send.apply(self.next, self.group, self._pending, *tensors)
+            zero = _Send.apply(self.next, self.group, message, *tensors)
             self._anchor = zero if self._anchor is None else self._anchor + zero
         else:
             for x in tensors:
-                self._isend(x.detach().contiguous())
+                _isend(x.detach().contiguous(), self.next, self.group, message)
 
     def finish(self, hidden_BSD: Tensor) -> Tensor:
         """Wait for every send; -> the anchor: a 0 to add to the loss, tied to the sends (their
         gradients come back) and to this rank's last hidden state (so to every received
         tensor: the backward reaches the receives, whose gradient rank - 1 waits for, even
         when the loss reaches no position of this rank)."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        self._settle(keep=0)
         if not hidden_BSD.requires_grad:
             return hidden_BSD.new_zeros(())
         anchor = _Zero.apply(hidden_BSD[:, -1:, :1])
@@ -82,8 +84,11 @@ class Relay:
             anchor, self._anchor = anchor + self._anchor.to(anchor.dtype), None
         return anchor
 
-    def _isend(self, x: Tensor) -> None:
-        _isend(x, self.next, self.group, self._pending)
+    def _settle(self, keep: int) -> None:
+        """Wait for the messages in flight but the last `keep` (rank + 1 receives in order)."""
+        while len(self._messages) > keep:
+            for work, _ in self._messages.pop(0):
+                work.wait()
 
 
 def _isend(x: Tensor, dst: int, group, pending: list) -> None:

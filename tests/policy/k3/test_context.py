@@ -129,6 +129,33 @@ def test_context_ranks_attend_at_the_same_time(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {"attending0", "attending1"}
 
 
+def _no_grad_sends_rank(rank, world, out_dir) -> None:
+    """Rank 0 sends 5 messages without gradients and counts those still held after each;
+    rank 1 receives them in order, pausing before each (so rank 0 runs ahead)."""
+    relay = Relay(dist.group.WORLD, torch.device("cpu"))
+    with torch.no_grad():
+        if rank == 0:
+            held = []
+            for step in range(5):
+                relay.send((torch.full((3, 4), float(step)),))
+                held.append(len(relay._messages))
+            relay.finish(torch.zeros(1, 1, 1))
+            Path(out_dir, "held.txt").write_text(" ".join(map(str, held)))
+        else:
+            for step in range(5):
+                time.sleep(0.2)
+                (got,) = relay.receive()
+                assert bool((got == step).all())
+
+
+def test_no_grad_sends_hold_two_messages(tmp_path):
+    """A no-grad forward (the learner's proximal logprobs) waits for the messages before the
+    previous one at each send, so it holds two messages' tensors at most, not every layer's
+    latents until its end (gloo's send work never reports itself completed without a wait)."""
+    run_ranks(_no_grad_sends_rank, str(tmp_path), world=2, timeout=120)
+    assert (tmp_path / "held.txt").read_text() == "1 2 2 2 2"
+
+
 # --------------------------------------------------------------------------- the learner's trunk
 
 
