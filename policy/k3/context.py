@@ -60,15 +60,13 @@ from policy.k3.segments import SegmentCache
 
 
 def context_hidden(decoder, input_ids_BS: Tensor, attention_mask_BS: Tensor | None, *, group,
-                   segment: int, replay_experts=None, return_routing: bool = False,
-                   ) -> tuple[Tensor, Tensor]:  # fmt: skip
+                   segment: int, replay_experts=None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """This rank's shard of one sequence through the K3 decoder -> (hidden [B, S, D], anchor).
 
     Shards are contiguous and in rank order within `group`; every rank calls this once per
     forward. `segment`: checkpointed segments inside the shard; replay_experts: per MoE layer
-    the shard's [B, S, K] (routes are not returned: return_routing is ignored). Add the anchor
+    the shard's [B, S, K] (routes are not returned). Add the anchor
     (a 0 that carries the relay's backward) to the loss before `backward()`."""
-    del return_routing
     _batch, length = input_ids_BS.shape
     if length == 0:
         raise ValueError("every context rank needs at least one token of the sequence")
