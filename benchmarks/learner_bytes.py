@@ -41,7 +41,7 @@ def trunk(segment: int, release: bool = True) -> TokenLogprobs:
 
 def step(learner: TokenLogprobs, length: int, sampled: float) -> None:
     ids_BT, select_BT = batch(length, sampled)
-    logp_BT, _, _, _ = learner(ids_BT, torch.ones_like(ids_BT), 1.0, select_BT)
+    logp_BT, _, _, _ = learner(ids_BT, torch.ones_like(ids_BT), 1.0, select_BT, keep_hidden=False)
     (-(logp_BT * select_BT).sum() / select_BT.sum()).backward()
     learner.zero_grad(set_to_none=True)
 
@@ -74,7 +74,9 @@ def child(length: int, release: bool, args) -> None:
 
 def modelled(args) -> dict[str, float]:
     config = k3_preset("k3-tiny")
-    carry = footprint.learner_carry(config, args.segment, torch.float32, replay=False)
+    carry = footprint.learner_carry(
+        config, args.segment, torch.float32, replay=False, keep_hidden=False
+    )
     rates = footprint.segment_rates(config, torch.float32)
     keys = footprint.learner_keys(config, rates, dtype=torch.float32)
     parts = {f"carried: {k}": v for k, v in carry.items() if k != "total"}

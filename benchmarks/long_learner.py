@@ -2,18 +2,22 @@
 
 Run: PYTHONPATH=. .venv/bin/python benchmarks/long_learner.py [--lengths 4096 16384]
      [--segment 1024] [--threads 2] [--sampled 0.5]
-     [--modes whole segmented expanded kept-heap kimilinear qwen3]
+     [--modes whole segmented loss-positions expanded kept-heap kimilinear qwen3]
 
 k3-tiny (hidden 96, 4 layers: KDA, KDA, KDA, MLA; 48 experts), float32, batch 1, the learner's
 own path (policy.logprobs.TokenLogprobs: decoder, then the LM head at the sampled positions
 only, here the second half of the trajectory) and a policy-gradient-shaped loss, backward.
 "whole" is trainer.segment_tokens 0 (one decoder forward over T), "segmented" is
 trainer.segment_tokens = --segment (policy/k3/segments.py: carried KDA state and MLA latents,
-one activation checkpoint per segment; a later segment's MLA attends over the earlier latents,
-absorbed: mla.py `choose_form`); "expanded" is "segmented" with the later segments' MLA in its
-naive form (per-head keys and values of every earlier token: the learner before issue 19);
-"kept-heap" is "segmented" without handing the C heap's free pages back to the OS between
-segments (policy/k3/host_memory.py; also the learner before issue 19).
+one activation checkpoint per segment, the LM head inside it; a later segment's MLA attends over
+the earlier latents, absorbed: mla.py `choose_form`) with every position through every layer;
+"loss-positions" is "segmented" with the last layer (MLA) at the loss positions only
+(trainer.loss_positions_only, the learner's default on one rank: `K3Model.forward(positions)`);
+"expanded" is "segmented" with the later segments' MLA in its naive form (per-head keys and
+values of every earlier token: the learner before issue 19); "kept-heap" is "segmented"
+without handing the C heap's free pages back to the OS between segments
+(policy/k3/host_memory.py; also the learner before issue 19). All but "whole" run the LM head
+inside the segments (`keep_hidden=False`, as the learner does without a value head).
 Each (mode, length) runs in a fresh subprocess so that
 its peak RSS is its own; printed: peak RSS growth over the RSS just before the step (the
 kernel's high-water mark VmHWM, reset before the step, minus VmRSS then) and the
@@ -53,7 +57,7 @@ def batch(length: int, sampled: float = 0.5) -> tuple[torch.Tensor, torch.Tensor
 
 def step(trunk: TokenLogprobs, length: int, sampled: float) -> None:
     ids_BT, select_BT = batch(length, sampled)
-    logp_BT, _, _, _ = trunk(ids_BT, torch.ones_like(ids_BT), 1.0, select_BT)
+    logp_BT, _, _, _ = trunk(ids_BT, torch.ones_like(ids_BT), 1.0, select_BT, keep_hidden=False)
     (-(logp_BT * select_BT).sum() / select_BT.sum()).backward()
 
 
@@ -69,13 +73,17 @@ def peer_step(model, length: int, sampled: float) -> None:
 def build(mode: str, segment: int, sampled: float):
     """(model, one step at length T) for a mode."""
     cfg = k3_preset("k3-tiny")
-    if mode in ("whole", "segmented", "expanded", "kept-heap"):
+    if mode in ("whole", "segmented", "expanded", "kept-heap", "loss-positions"):
         model = K3ForCausalLM(cfg).eval()
         model.model.release_heap = mode != "kept-heap"  # segments.py: malloc_trim per segment
         for layer in model.model.layers:  # expanded: later segments' MLA in its naive form
             if not layer.is_kda:
                 layer.self_attn.absorb_past = mode != "expanded"
-        trunk = TokenLogprobs(model, segment_tokens=0 if mode == "whole" else segment)
+        trunk = TokenLogprobs(
+            model,
+            segment_tokens=0 if mode == "whole" else segment,
+            selected_only=mode == "loss-positions",  # trainer.loss_positions_only
+        )
         return model, lambda length: step(trunk, length, sampled)
     from benchmarks.decode_speed import kimi_linear_peer, qwen3_peer
 
@@ -146,7 +154,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--segment", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
-    modes = ["whole", "segmented", "expanded", "kept-heap", "kimilinear", "qwen3"]
+    modes = ["whole", "segmented", "loss-positions", "expanded", "kept-heap", "kimilinear", "qwen3"]
     parser.add_argument("--modes", nargs="+", default=modes[:2], choices=modes)
     parser.add_argument("--sampled", type=float, default=0.5,
                         help="share of positions in the loss (the last ones)")  # fmt: skip

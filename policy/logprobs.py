@@ -10,8 +10,14 @@ T is.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 from torch.utils.checkpoint import checkpoint
+
+HEAD_RECOMPUTE_ELEMENTS = 1 << 24
+"""head_logprobs recomputes its chunks in the backward (a checkpoint each; inside a segment's
+checkpoint, nested in it) when the selected rows x vocabulary exceed this many logits."""
 
 
 def _chunk_stats(hidden_CD, targets_C, head, temperature: float):
@@ -83,6 +89,76 @@ def _segmented(model, input_ids_BT, attention_mask_BT, segment_tokens: int, extr
     )
 
 
+def segmented_logprobs(
+    model,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    *,
+    segment: int,
+    temperature: float = 1.0,
+    select_BT: torch.Tensor | None = None,
+    selected_only: bool = False,
+    **moe,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logprobs [B, T-1], entropy [B, T-1], routed experts or None) of a K3 policy run in
+    segments of `segment` tokens with the LM head inside each segment's checkpoint: what
+    `head_logprobs(decoder_hidden(...))` gives, keeping per token only these results.
+
+    selected_only (with select_BT, an MLA last layer and no padding): the last layer attends
+    and runs its MLP only at the positions selected in some row (`K3Model.forward(positions=
+    ...)`): the same values and gradients at the selected positions, O(U * T) instead of
+    O(T^2) attention in that layer; the other positions' values are 0. Its router then sees
+    those positions only (Quantile Balancing's statistics of that layer; its routed experts
+    are -1 elsewhere)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    selected_only = (
+        selected_only
+        and select_BT is not None
+        and layers is not None
+        and not getattr(layers[-1], "is_kda", True)
+        and bool(attention_mask_BT.all())  # the router statistics' token mask stays aligned
+    )
+    head = _SegmentLogprobs(model, input_ids_BT[:, 1:], select_BT, temperature, selected_only)
+    extra = {k: v for k, v in moe.items() if v is not None and v is not False}
+    (logp_BT, entropy_BT), routed = _segmented(
+        model, input_ids_BT, attention_mask_BT, segment, {**extra, "head": head}
+    )
+    return logp_BT, entropy_BT, routed
+
+
+class _SegmentLogprobs:
+    """segmented_logprobs' head (policy/k3/segments.py SegmentHead): the segment t0..t1-1
+    predicts targets t0+1 .. (the sequence's last position predicts none)."""
+
+    def __init__(self, model, targets_BT, select_BT, temperature: float, selected_only: bool):
+        self.model, self.targets_BT, self.select_BT = model, targets_BT, select_BT
+        self.temperature, self.predicting = temperature, targets_BT.shape[1]
+        self.wanted = select_BT.any(0).nonzero()[:, 0].tolist() if selected_only else None
+
+    def positions(self, t0: int, t1: int) -> list[int] | None:
+        if self.wanted is None:
+            return None
+        lo, hi = bisect.bisect_left(self.wanted, t0), bisect.bisect_left(self.wanted, t1)
+        return [p - t0 for p in self.wanted[lo:hi]]
+
+    def __call__(self, hidden_BXD, t0: int, t1: int, positions: list[int] | None):
+        n = min(t1, self.predicting) - t0
+        if positions is None:
+            return self._logprobs(hidden_BXD[:, :n], slice(t0, t0 + n))
+        index_U = torch.tensor(positions, dtype=torch.long, device=hidden_BXD.device) + t0
+        logp_BU, entropy_BU = self._logprobs(hidden_BXD, index_U)
+        shape = (hidden_BXD.shape[0], n)
+        logp_Bn = logp_BU.new_zeros(shape).index_copy(1, index_U - t0, logp_BU)
+        return logp_Bn, entropy_BU.new_zeros(shape).index_copy(1, index_U - t0, entropy_BU)
+
+    def _logprobs(self, hidden_BXD, where):
+        select = None if self.select_BT is None else self.select_BT[:, where]
+        return head_logprobs(
+            self.model, hidden_BXD, self.targets_BT[:, where], temperature=self.temperature,
+            select_BT=select,
+        )  # fmt: skip
+
+
 def head_logprobs(
     model,
     hidden_BTD: torch.Tensor,
@@ -101,7 +177,7 @@ def head_logprobs(
         select_BT = torch.ones_like(targets_BT, dtype=torch.bool)
     where = select_BT.nonzero(as_tuple=True)
     hidden_MD, targets_M = hidden_BTD[where], targets_BT[where]
-    big = hidden_MD.shape[0] * head.weight.shape[0] > (1 << 24)  # recompute only large chunks
+    big = hidden_MD.shape[0] * head.weight.shape[0] > HEAD_RECOMPUTE_ELEMENTS
     logps, entropies = [], []
     for start in range(0, hidden_MD.shape[0], chunk):
         args = (
@@ -144,10 +220,13 @@ class TokenLogprobs(torch.nn.Module):
     token. Sharded training wraps this module, not the bare causal LM: calling the decoder and
     the LM head separately would bypass the root's all-gather of the embedding and head."""
 
-    def __init__(self, policy, *, segment_tokens: int = 0, context=None):
+    def __init__(self, policy, *, segment_tokens: int = 0, context=None, selected_only=False):
         super().__init__()
         self.policy = policy
         self.segment_tokens = segment_tokens  # decoder_hidden's segments (0 = one forward)
+        self.selected_only = selected_only
+        """segmented_logprobs' switch, for forwards with keep_hidden=False: the last (MLA)
+        layer works at the selected positions alone."""
         self.context = context
         """A process group of context ranks (K3 policies; policy/k3/context.py) or None: each
         rank runs its shard of every sequence (`context_span`), and the logprobs and entropy
@@ -161,17 +240,29 @@ class TokenLogprobs(torch.nn.Module):
         select_BT=None,
         replay_experts=None,
         return_routing: bool = False,
+        keep_hidden: bool = True,
     ):
         """(logprobs [B, T-1], entropy [B, T-1], hidden [B, T, D], routed experts or None).
 
         hidden keeps the last position (which predicts no token): the decoder's own output, not
         a slice of it, since a view returned by an FSDP2-wrapped root would let a later in-place
         op drop the root's pre-backward hook. Index it at positions < T-1 as [B, T-1, D].
-        With `context`: (logprobs, entropy, None, None), the same on every context rank."""
+        With `context`: (logprobs, entropy, None, None), the same on every context rank.
+
+        keep_hidden=False (a learner without a value head): hidden may come back None, and a
+        segmented forward then runs the LM head inside each segment's checkpoint, so that no
+        position's hidden state (nor its gradient) outlives its segment."""
         if self.context is not None:
             return self._context_forward(
                 input_ids_BT, attention_mask_BT, temperature, select_BT, replay_experts
             )
+        if not keep_hidden and 0 < self.segment_tokens < input_ids_BT.shape[1]:
+            logp_BT, entropy_BT, routed = segmented_logprobs(
+                self.policy, input_ids_BT, attention_mask_BT, segment=self.segment_tokens,
+                temperature=temperature, select_BT=select_BT, replay_experts=replay_experts,
+                return_routing=return_routing, selected_only=self.selected_only,
+            )  # fmt: skip
+            return logp_BT, entropy_BT, None, routed
         hidden_BTD, routed = all_hidden(
             self.policy,
             input_ids_BT,

@@ -408,12 +408,18 @@ def segment_rates(config: K3Config, dtype=torch.bfloat16, scales=(32, 16), check
 
 
 def learner_carry(
-    config: K3Config, segment: int, dtype=torch.bfloat16, *, replay: bool = True
+    config: K3Config,
+    segment: int,
+    dtype=torch.bfloat16,
+    *,
+    replay: bool = True,
+    keep_hidden: bool = True,
 ) -> dict[str, float]:
     """Bytes per token of the whole trajectory that the segmented learner (policy/k3/
     segments.py through policy/logprobs.py TokenLogprobs) holds while it runs the backward of
-    a segment: hidden: the decoder's output [T, D] and its gradient; latents: twice each MLA
-    layer's latents (its chunks, and their concatenation in the recomputed segment or the
+    a segment: hidden: the decoder's output [T, D] and its gradient (kept for a value head;
+    keep_hidden=False: 0, the LM head runs inside each segment's checkpoint); latents: twice
+    each MLA layer's latents (its chunks, and their concatenation in the recomputed segment or the
     gradients the chunks gather from later segments); kda_boundaries: the KDA
     state and conv tails at each segment boundary (per token: / segment); routes: the
     router's choices it returns (int64 [M, T, K]) and, with routing replay, the replayed ones;
@@ -421,7 +427,7 @@ def learner_carry(
     cache = decode_cache(config, 0, dtype)
     moe_layers = config.mlp_types.count("sparse")
     out = {
-        "hidden": 2 * config.hidden_size * _item(dtype),
+        "hidden": 2 * config.hidden_size * _item(dtype) if keep_hidden else 0,
         "latents": 2 * cache["mla_per_token"],
         "kda_boundaries": cache["kda_per_sequence"] / segment,
         "routes": (1 + replay) * moe_layers * config.num_experts_per_token * 8,

@@ -229,6 +229,50 @@ class GatedMLA(nn.Module):
             o_BTHV = o_BTHV * gate_BTHV
         return self.o_proj(o_BTHV.flatten(-2)), cache
 
+    def forward_at(
+        self,
+        hidden_BTD: Tensor,
+        positions: list[int],
+        *,
+        cache: MLACache,
+        mask: Tensor | None = None,
+    ) -> tuple[Tensor, MLACache]:
+        """`forward`'s output at `positions` only (sorted indices into the T new tokens) ->
+        (out [B, U, D], cache with all T new tokens appended). Every token's latent is cached
+        (the keys of later queries), but only the U queries attend, each over the keys up to
+        its own position: run by run of consecutive positions, in the absorbed form. What a
+        loss on a few positions needs of the last token-mixing layer (policy/k3/modeling.py
+        `K3Model.forward(positions=...)`): O(U * S) attention instead of O(T * S)."""
+        past = cache.length
+        cache = cache.append(self.latent(hidden_BTD), mask)
+        index_U = torch.tensor(positions, dtype=torch.long, device=hidden_BTD.device)
+        x_BUD = hidden_BTD[:, index_U]
+        q_BUHQ = self.query(x_BUD)
+        outs, start = [], 0
+        for stop in _run_ends(positions):
+            end = past + positions[stop - 1] + 1  # keys up to the run's last query
+            o_BRHV = self.attend(
+                q_BUHQ[:, start:stop], cache.latent[:, :end], cache.key_mask[:, :end],
+                past=past + positions[start], absorbed=True,
+            )  # fmt: skip
+            outs.append(o_BRHV)
+            start = stop
+        o_BUHV = (
+            torch.cat(outs, dim=1) if outs else q_BUHQ.new_zeros(*q_BUHQ.shape[:3], self.v_head_dim)
+        )
+        if mask is not None:
+            o_BUHV = o_BUHV * mask[:, index_U].to(o_BUHV.dtype)[:, :, None, None]
+        if hasattr(self, "g_proj"):
+            gate_BUHV = torch.sigmoid(self.g_proj(x_BUD)).unflatten(-1, (self.num_heads, -1))
+            o_BUHV = o_BUHV * gate_BUHV
+        return self.o_proj(o_BUHV.flatten(-2)), cache
+
+
+def _run_ends(positions: list[int]) -> list[int]:
+    """Exclusive ends of the runs of consecutive values in sorted `positions`."""
+    ends = [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1]
+    return [*ends, len(positions)] if positions else []
+
 
 FUSED_MAX_SCORES = 1 << 24
 """Largest B * H * T * S that `attend` hands to torch's attention (a few short sequences, such

@@ -54,7 +54,7 @@ from policy.k3.attn_res import AttnRes, AttnResState, closes_block
 from policy.k3.cache import K3Cache
 from policy.k3.configuration import K3Config
 from policy.k3.kda import GatedRMSNorm, KimiDeltaAttention
-from policy.k3.mla import GatedMLA
+from policy.k3.mla import GatedMLA, MLACache
 from policy.k3.moe import GroupedExperts, StableLatentMoE
 from policy.k3.routing import Routing, TopKRouter
 from policy.k3.situ import SituGLU
@@ -151,7 +151,9 @@ class K3DecoderLayer(nn.Module):
         h_BTD = state if self.block_size is None else self.self_attention_res(state)
         return self.input_layernorm(h_BTD)
 
-    def forward(self, state, *, mask_BT=None, cache=None, replay_TK=None, latent_only=False):
+    def forward(
+        self, state, *, mask_BT=None, cache=None, replay_TK=None, latent_only=False, positions=None
+    ):
         """state: AttnResState (the hidden [B, T, D] for a plain residual) -> (out_BTD, routing).
 
         out_BTD is the next hidden, or with AttnRes the layer's new running block sum only: the
@@ -162,9 +164,15 @@ class K3DecoderLayer(nn.Module):
 
         latent_only (MLA layers): -> (the latents [B, T, L] this layer's attention would cache,
         None), nothing else computed; through the module call so that a sharded layer gathers
-        its weights (context ranks send the latents before they attend, context.py)."""
+        its weights (context ranks send the latents before they attend, context.py).
+
+        positions: `forward_at` (through the module call, for the same reason)."""
         if latent_only:
             return self.self_attn.latent(self.mixer_input(state)), None
+        if positions is not None:
+            return self.forward_at(
+                state, positions, mask_BT=mask_BT, cache=cache, replay_TK=replay_TK
+            )
         if self.block_size is None:
             h_BTD = state + self.mix(self.mixer_input(state), mask_BT, cache)
             out_BTD, routing = self.ffn(self.post_attention_layernorm(h_BTD), replay_TK)
@@ -177,12 +185,71 @@ class K3DecoderLayer(nn.Module):
         out_BTD, routing = self.ffn(self.post_attention_layernorm(h_BTD), replay_TK)
         return state.add(out_BTD).partial, routing
 
+    def forward_at(self, state, positions: list[int], *, mask_BT=None, cache=None, replay_TK=None):
+        """`forward`'s result at `positions` only (sorted indices into T) for an MLA layer whose
+        later layers mix no tokens (the last layer): every position's latent goes into
+        `cache` (the keys of later queries), the attention, the MLP and the residual run at the
+        U positions. -> (out [B, U, D], routing of the U positions, the input state at them),
+        the caller's `next_state` taking that state."""
+        assert not self.is_kda, "forward_at is for an MLA layer"
+        index_U = torch.tensor(positions, dtype=torch.long, device=_hidden(state).device)
+        x_BTD = self.mixer_input(state)  # every position: the latents need it
+        slots = cache.mla(self.layer_idx) if cache is not None else _no_cache(x_BTD, self.self_attn)
+        mixed_BUD, _ = self.self_attn.forward_at(x_BTD, positions, cache=slots, mask=mask_BT)
+        if replay_TK is not None:  # [B*T, K] or [B, T, K] -> [B*U, K]
+            replay_TK = replay_TK.reshape(x_BTD.shape[0], x_BTD.shape[1], -1)[:, index_U]
+        sub = _at(state, index_U)
+        if self.block_size is None:
+            h_BUD = sub + mixed_BUD
+            out_BUD, routing = self.ffn(self.post_attention_layernorm(h_BUD), replay_TK)
+            return h_BUD + out_BUD, routing, sub
+        inner = sub.close_block() if closes_block(self.layer_idx, self.block_size) else sub
+        inner = inner.add(mixed_BUD)
+        out_BUD, routing = self.ffn(self.post_attention_layernorm(self.mlp_res(inner)), replay_TK)
+        return inner.add(out_BUD).partial, routing, sub
+
     def next_state(self, state, out_BTD: Tensor):
         """The residual state after this layer, from its input `state` and its forward's
         `out_BTD` (the caller's side of the contract above; no parameters involved)."""
         if self.block_size is None:
             return out_BTD
         return state.after_layer(out_BTD, closed=closes_block(self.layer_idx, self.block_size))
+
+
+def _hidden(state) -> Tensor:
+    return state if isinstance(state, Tensor) else state.partial
+
+
+def _at(state, index_U: Tensor):
+    """The residual state (a hidden [B, T, D] or an AttnResState) at positions index_U."""
+    if isinstance(state, Tensor):
+        return state[:, index_U]
+    blocks = tuple(b[:, index_U] for b in state.blocks)
+    partial = None if state.partial is None else state.partial[:, index_U]
+    return AttnResState(blocks=blocks, partial=partial)
+
+
+def _spread(routing: Routing, positions: list[int], batch: int, length: int) -> Routing:
+    """A routing of the B*U tokens at `positions` laid out over all B*T tokens: expert
+    indices -1 at the others (the scores stay [B*U, E])."""
+    index_U = torch.tensor(positions, dtype=torch.long, device=routing.indices_TK.device)
+
+    def spread(x_XK: Tensor | None) -> Tensor | None:
+        if x_XK is None:
+            return None
+        out_BTK = x_XK.new_full((batch, length, x_XK.shape[-1]), -1)
+        out_BTK[:, index_U] = x_XK.view(batch, len(positions), x_XK.shape[-1])
+        return out_BTK.flatten(0, 1)
+
+    return routing._replace(
+        indices_TK=spread(routing.indices_TK), chosen_TK=spread(routing.chosen_TK)
+    )
+
+
+def _no_cache(x_BTD: Tensor, mla) -> MLACache:
+    """An empty latent cache (a forward from the sequence's start)."""
+    latent = x_BTD.new_zeros(x_BTD.shape[0], 0, mla.kv_lora_rank + mla.qk_rope_head_dim)
+    return MLACache(latent, torch.ones(x_BTD.shape[0], 0, dtype=torch.bool, device=x_BTD.device))
 
 
 class K3PreTrainedModel(PreTrainedModel):
@@ -266,9 +333,18 @@ class K3Model(K3PreTrainedModel):
         use_cache: bool | None = None,
         replay_experts: Tensor | Sequence[Tensor] | None = None,
         return_routing: bool = False,
+        positions: list[int] | None = None,
         **kwargs,
     ) -> K3ModelOutput:
+        """positions (sorted indices into T; the last layer an MLA layer): the hidden states
+        at those positions only, [B, U, D], equal to the whole forward's there. The last
+        layer attends and runs its MLP at them alone (`K3DecoderLayer.forward_at`); every
+        position still passes the earlier layers and leaves its latent in `cache`. With
+        return_routing, the last layer's routed_experts and router_choice are -1 at the other
+        positions, and its router_scores cover the U positions only."""
         del position_ids, kwargs  # NoPE: positions play no role
+        if positions is not None and self.layers[-1].is_kda:
+            raise ValueError("positions needs an MLA last layer (a KDA layer mixes on)")
         length = input_ids.shape[1]
         mask_BT = None if attention_mask is None else attention_mask[:, -length:]
         if use_cache and cache is None:
@@ -290,8 +366,15 @@ class K3Model(K3PreTrainedModel):
         routings = []
         for layer in self.layers:
             replay_TK = next(replays) if replays is not None and layer.is_sparse else None
-            out_BTD, routing = layer(state, mask_BT=mask_BT, cache=cache, replay_TK=replay_TK)
+            if positions is not None and layer is self.layers[-1]:
+                out_BTD, routing, state = layer(
+                    state, mask_BT=mask_BT, cache=cache, replay_TK=replay_TK, positions=positions
+                )
+            else:
+                out_BTD, routing = layer(state, mask_BT=mask_BT, cache=cache, replay_TK=replay_TK)
             state = layer.next_state(state, out_BTD)
+            if routing is not None and positions is not None and layer is self.layers[-1]:
+                routing = _spread(routing, positions, *input_ids.shape)
             if routing is not None:
                 routings.append(routing)
         if self.config.attn_res_block_size is not None:

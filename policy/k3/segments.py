@@ -17,7 +17,10 @@ forward only the segment boundaries stay alive (the carry above, the segment's i
 mask, its output hidden states), and the backward recomputes one segment at a time. Peak memory
 is about one segment's activations plus O(T) for the latents and hidden states, instead of all
 T positions' activations. Segment s's recomputation concatenates the earlier latent chunks for
-its attention (a transient O(T) per MLA layer).
+its attention (a transient O(T) per MLA layer). With a `head` (the LM head and the per-token
+loss terms, policy/logprobs.py `segmented_logprobs`) run inside the checkpoint, a segment's
+output is its per-token logprobs instead of its hidden states, so neither the hidden states
+[B, T, D] nor their gradient outlive their segment.
 
 On a CPU each segment first hands the C heap's free pages back to the OS (host_memory.py): the
 survivors of every segment would otherwise fragment glibc's heap, whose resident size grew by
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -44,6 +47,20 @@ from torch.utils.checkpoint import checkpoint
 from policy.k3.host_memory import release_free_heap
 from policy.k3.kda import KDACache
 from policy.k3.mla import MLACache
+
+
+class SegmentHead(Protocol):
+    """What `carried_hidden` runs on each segment's hidden states, inside its checkpoint."""
+
+    def positions(self, t0: int, t1: int) -> list[int] | None:
+        """Indices (into the segment t0..t1-1) of the positions whose hidden states are
+        needed, sorted; None: all of them."""
+        ...
+
+    def __call__(self, hidden: Tensor, t0: int, t1: int, positions: list[int] | None) -> tuple:
+        """hidden [B, S, D] of the segment t0..t1-1 (positions None) or [B, U, D] at its
+        `positions` -> per-token tensors [B, n, ...]."""
+        ...
 
 
 class Carry(NamedTuple):
@@ -108,10 +125,14 @@ class SegmentCache:
         return _Latents(self, layer)
 
 
-def _segment(decoder, ids_BS, mask_BS, kda_in, latents_in, masks_in, replay, routing: bool):
+def _segment(decoder, ids_BS, mask_BS, kda_in, latents_in, masks_in, replay, routing: bool,
+             head=None, t0: int = 0, positions=None):  # fmt: skip
     """One segment through the decoder -> (hidden [B, S, D], KDA carry, latent chunks, mask
-    chunk [B, S], routed experts [M, B*S, K] or None). On a CPU the heap's free pages go back
-    to the OS first (host_memory.py; the decoder's `release_heap` attribute, default on)."""
+    chunk [B, S], routed experts [M, B*S, K] or None); with `head`, head(hidden, t0, t1,
+    positions) in place of the hidden states (computed here, inside the segment's checkpoint;
+    positions: the decoder's hidden at those positions only, K3Model.forward). On a CPU the heap's
+    free pages go back to the OS first (host_memory.py; the decoder's `release_heap` attribute,
+    default on)."""
     if ids_BS.device.type == "cpu" and getattr(decoder, "release_heap", True):
         release_free_heap()  # what the previous segment (or its backward) freed
     cache = SegmentCache(kda_in, latents_in, masks_in)
@@ -121,9 +142,11 @@ def _segment(decoder, ids_BS, mask_BS, kda_in, latents_in, masks_in, replay, rou
         cache=cache,
         replay_experts=replay,
         return_routing=routing,
+        positions=positions,
     )
+    hidden_BSD = out.last_hidden_state
     return (
-        out.last_hidden_state,
+        hidden_BSD if head is None else head(hidden_BSD, t0, t0 + ids_BS.shape[1], positions),
         tuple(cache.kda_out),
         cache.latents_out,
         cache.mask_out,
@@ -147,7 +170,8 @@ def segmented_hidden(
     replay_experts: Tensor | Sequence[Tensor] | None = None,
     return_routing: bool = False,
     recompute: bool | None = None,
-) -> tuple[Tensor, Tensor | None]:
+    head: SegmentHead | None = None,
+) -> tuple[Tensor | tuple[Tensor, ...], Tensor | None]:
     """A K3Model (`decoder`) over [B, T] in segments of `segment` tokens.
 
     Returns (last hidden state [B, T, D], the router's own choices [M, B*T, K] (what it picks,
@@ -155,12 +179,21 @@ def segmented_hidden(
     K3Model's b-major token order, else None). replay_experts: per MoE layer [B, T, K] or
     [B*T, K] (or one [M, B*T, K] tensor). recompute: checkpoint each segment (None: when
     gradients are enabled).
+
+    head (a SegmentHead): `head(hidden, t0, t1, positions) -> tensors [B, n, ...]` of the
+    segment t0..t1-1 (offsets into this call's input_ids_BT, not positions in a sequence
+    continued from a `carry`), run inside the segment's checkpoint (the LM head and loss terms:
+    the hidden states then never outlive their segment); the first result is then head's
+    tensors, each concatenated over the segments (dim 1), instead of the hidden states.
+    `head.positions(t0, t1)`: None, or the positions of the segment whose hidden states the
+    head needs (then hidden is [B, U, D] at them: the decoder's last layer works at them
+    alone, K3Model.forward).
     """
-    hidden_BTD, routed_MXK, _ = carried_hidden(
+    out, routed_MXK, _ = carried_hidden(
         decoder, input_ids_BT, attention_mask_BT, segment=segment, replay_experts=replay_experts,
-        return_routing=return_routing, recompute=recompute,
+        return_routing=return_routing, recompute=recompute, head=head,
     )  # fmt: skip
-    return hidden_BTD, routed_MXK
+    return out, routed_MXK
 
 
 def empty_carry(decoder) -> Carry:
@@ -179,10 +212,12 @@ def carried_hidden(
     replay_experts: Tensor | Sequence[Tensor] | None = None,
     return_routing: bool = False,
     recompute: bool | None = None,
-) -> tuple[Tensor, Tensor | None, Carry]:
+    head: SegmentHead | None = None,
+) -> tuple[Tensor | tuple[Tensor, ...], Tensor | None, Carry]:
     """segmented_hidden continuing from `carry` (the state after every earlier token; None: the
-    sequence starts here) -> (hidden [B, T, D], routed [M, B*T, K] or None, the carry after
-    the last token). Context parallelism hands the carry from rank to rank (context.py)."""
+    sequence starts here) -> (hidden [B, T, D] or head's tensors, routed [M, B*T, K] or None,
+    the carry after the last token). Context parallelism hands the carry from rank to rank
+    (context.py)."""
     if segment <= 0:
         raise ValueError(f"segment must be a positive number of tokens, got {segment}")
     batch, length = input_ids_BT.shape
@@ -205,6 +240,9 @@ def carried_hidden(
             masks,
             _replay_slice(replay_experts, batch, length, t0, t1),
             return_routing,
+            head,
+            t0,
+            None if head is None else head.positions(t0, t1),
         )
         hidden_BSD, kda, new_latents, mask_BS, routed_MXK = run(*args)
         latents = tuple(
@@ -216,4 +254,7 @@ def carried_hidden(
         if routed_MXK is not None:
             routed.append(routed_MXK.unflatten(1, (batch, t1 - t0)))
     routed_MXK = torch.cat(routed, dim=2).flatten(1, 2) if routed else None
+    if head is not None:  # each of head's tensors, whole
+        out = tuple(torch.cat(parts, dim=1) for parts in zip(*hiddens, strict=True))
+        return out, routed_MXK, Carry(kda, latents, masks)
     return torch.cat(hiddens, dim=1), routed_MXK, Carry(kda, latents, masks)

@@ -95,6 +95,15 @@ class TrainerConfig(Section):
     (the learner raises for other models). On several ranks (FSDP2 + expert parallel) every
     micro-batch is padded to the widest rank's, so that all ranks run the same segments. 0 =
     off: one forward over the whole micro-batch."""
+    loss_positions_only: bool = True
+    """With segment_tokens, on one learner rank and a K3 policy whose last layer is MLA (every
+    preset): a micro-batch longer than segment_tokens without padding runs that last layer's
+    attention and MLP at the positions that reach the loss (the sampled tokens) only: every
+    position still passes the earlier layers and leaves its latent as a key. The loss and the
+    gradients are unchanged; the last layer's O(T^2) attention becomes O(U * T) for U loss
+    positions (about 0.4% of a long agentic episode). That layer's router statistics
+    (Quantile Balancing) then count those positions only. The LM head runs inside each
+    segment's checkpoint whenever no value head needs the hidden states (not ppo)."""
     autocast: Literal["none", "bf16"] = "none"
     """bf16: the learner's forward (and so its backward) under torch.autocast in bfloat16; the
     weights, gradients and optimizer state stay fp32, and K3's KDA recurrence, attention softmax,

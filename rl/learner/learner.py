@@ -91,8 +91,9 @@ class Learner:
         self.device = next(model.parameters()).device  # batches follow the model (cpu / cuda)
         _check_segments(cfg, model, self.shard.context)
         trunk = TokenLogprobs(
-            self.model, segment_tokens=cfg.segment_tokens, context=self.shard.context_group
-        )
+            self.model, segment_tokens=cfg.segment_tokens, context=self.shard.context_group,
+            selected_only=cfg.loss_positions_only and self.shard.world == 1,
+        )  # fmt: skip
         self.trunk = self.shard.prepare_model(trunk)  # sharded from here
         self.value_head = None
         params = list(self.trunk.parameters())
@@ -283,6 +284,7 @@ class Learner:
                     self.temperature,
                     select,
                     replay_experts=self._replay(mb),
+                    keep_hidden=self.algo.critic,
                 )
             if not scale:  # an empty piece's stand-in row belongs to another rank
                 continue
@@ -410,6 +412,7 @@ class Learner:
                     mb.loss_mask_NT > 0,
                     replay_experts=self._replay(mb),
                     return_routing=self._measure_routing(mb) and first_pass,
+                    keep_hidden=self.algo.critic,
                 )
             if self.exact is not None:  # the rollout engine's values, this forward's gradient
                 logp = exact_values(self.exact, mb, logp, self.version, self.temperature)
@@ -568,10 +571,12 @@ def _routing_mismatch(routed_MXK: torch.Tensor, mb: TrainBatch, scale: float) ->
     live_MBTK = routed_MXK.view(layers, *mb.input_ids_NT.shape, k).sort(-1).values
     recorded_MBTK = mb.routes_NTMK.long().permute(2, 0, 1, 3).sort(-1).values
     valid_BT = mb.routed_NT & (mb.attention_mask_NT > 0)
-    differs_MBT = (live_MBTK != recorded_MBTK).any(-1) & valid_BT
+    measured_MBT = valid_BT & (live_MBTK >= 0).all(-1)  # -1: a position the layer skipped
+    differs_MBT = (live_MBTK != recorded_MBTK).any(-1) & measured_MBT
     out = {"routing.positions": float(valid_BT.sum()) * scale}
     for m in range(layers):
         out[f"routing.mismatch.{m}"] = float(differs_MBT[m].sum()) * scale
+        out[f"routing.measured.{m}"] = float(measured_MBT[m].sum()) * scale
     return out
 
 
@@ -584,9 +589,11 @@ def _mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
     positions = sums.get("routing.positions", 0.0)
     if not positions:
         return {}
-    layers = sorted(k for k in sums if k.startswith("routing.mismatch."))
-    rates = {
-        f"moe/routing_mismatch_layer{k.rsplit('.', 1)[1]}": sums[k] / positions for k in layers
+    layers = sorted(k.rsplit(".", 1)[1] for k in sums if k.startswith("routing.mismatch."))
+    rates = {  # over the positions each layer routed (the last one: the loss positions only
+        f"moe/routing_mismatch_layer{m}": sums[f"routing.mismatch.{m}"]  # under
+        / max(sums.get(f"routing.measured.{m}", positions), 1e-9)  # loss_positions_only)
+        for m in layers
     }
     rates["moe/routing_mismatch"] = sum(rates.values()) / len(rates)
     return rates

@@ -63,7 +63,7 @@ def _one_rank(save_to: Path | None = None):
     """One segmented rank's STEPS steps -> (losses, final state, state when saved or None);
     with `save_to`, a committed checkpoint there before the last step."""
     model = make_model(torch.float64)
-    one = learner(model, groups(model), segment=SEGMENT)
+    one = learner(model, groups(model), segment=SEGMENT, loss_positions_only=False)  # as 2 ranks
     losses, saved = [], None
     for step in range(STEPS):
         if step == STEPS - 1 and save_to is not None:
@@ -106,8 +106,9 @@ def test_two_context_ranks_train_like_one_and_reshard_to_one(tmp_path):
     path = ckpt.commit(tmp_path / "two", staged, STEPS - 1)
     batches = groups(make_model(torch.float64))  # the run's data; weights from the checkpoint
     resumed = learner(
-        make_model(torch.float64, seed=1), batches, skip=2 * (STEPS - 1), segment=SEGMENT
-    )
+        make_model(torch.float64, seed=1), batches, skip=2 * (STEPS - 1), segment=SEGMENT,
+        loss_positions_only=False,  # as the context ranks (one rank only: the default on)
+    )  # fmt: skip
     resumed.load(path)  # context 2 -> context 1
     assert_same_state(full_state(resumed), two["saved"])
     resumed.step()
@@ -141,7 +142,7 @@ def test_context_ranks_with_decoupled_and_kl_on_sequences_shorter_than_a_segment
     run_ranks(_decoupled, str(tmp_path), world=2, timeout=240)
     two = torch.load(tmp_path / "decoupled.pt", weights_only=False)
     model = make_model(torch.float64)
-    one = learner(model, groups(model), segment=16, **EXTRA)
+    one = learner(model, groups(model), segment=16, loss_positions_only=False, **EXTRA)
     losses = [one.step()["learner/loss"]]
     want = {k: v for k, v in full_state(one)["model"].items() if "e_score_correction" not in k}
     weights = _max_diff(two["trained"]["model"], want)  # QB's next bias aside (see above)

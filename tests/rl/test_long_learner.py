@@ -21,7 +21,8 @@ def run_step(model, group, **overrides):
     """One Learner.step on a copy of `model` -> (metrics, learner, parameters before)."""
     model = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = TrainerConfig(group_size=4, batch_size=4, micro_batch_size=4, lr=1e-3, **overrides)
+    cfg = TrainerConfig(**{"group_size": 4, "batch_size": 4, "micro_batch_size": 4, "lr": 1e-3,
+                           **overrides})  # fmt: skip
     learner = Learner(cfg, model=model, source=ListSource([group]), pad_token_id=0, temperature=1.0)
     return learner.step(), learner, before
 
@@ -86,3 +87,36 @@ def test_config_validates_the_keys(tiny_model):
     cfg = TrainerConfig(group_size=4, batch_size=4, segment_tokens=64)
     with pytest.raises(ConfigError, match=r"trainer\.segment_tokens.*K3 policy"):
         Learner(cfg, model=tiny_model, source=None, pad_token_id=0, temperature=1.0)
+
+
+def test_loss_positions_only_gives_the_same_update_with_less_attention(
+    model64_and_group, monkeypatch
+):
+    """One trajectory per micro-batch (no padding), segments of 5: the last layer at the loss
+    positions only (the default) against every position, float64: the same loss and update
+    (the last layer's router bias aside: its statistics see the loss positions only), while
+    the MLA layers attend from fewer queries."""
+    from policy.k3.mla import GatedMLA
+
+    model, group = model64_and_group
+    attend, queries = GatedMLA.attend, []
+
+    def counting(self, q_BTHQ, *args, **kwargs):
+        queries[-1] += q_BTHQ.shape[1]
+        return attend(self, q_BTHQ, *args, **kwargs)
+
+    monkeypatch.setattr(GatedMLA, "attend", counting)
+    runs = []
+    for only in (False, True):
+        queries.append(0)
+        runs.append(run_step(model, group, segment_tokens=5, micro_batch_size=1,
+                             routing_replay=True, loss_positions_only=only))  # fmt: skip
+    (ref_metrics, ref, ref_before), (metrics, learner, before) = runs
+    assert queries[1] < queries[0], queries
+    assert metrics["learner/loss"] == pytest.approx(ref_metrics["learner/loss"], abs=1e-10)
+    ref_updates, got = updates(ref, ref_before), updates(learner, before)
+    last = f"layers.{len(model.model.layers) - 1}."
+    for name, update in ref_updates.items():
+        if last in name and "e_score_correction_bias" in name:
+            continue
+        torch.testing.assert_close(got[name], update, rtol=0, atol=1e-9, msg=name)

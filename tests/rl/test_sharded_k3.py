@@ -137,7 +137,7 @@ def test_segments_on_sharded_ranks_train_like_one_rank(tmp_path):
     run_ranks(_segmented, str(tmp_path), timeout=150)
     two = torch.load(tmp_path / "segmented.pt", weights_only=False)
     model = make_model(torch.float64)
-    one = learner(model, groups(model), segment=SEGMENT)
+    one = learner(model, groups(model), segment=SEGMENT, loss_positions_only=False)  # as 2 ranks
     losses = [one.step()["learner/loss"] for _ in range(2)]
     want, got = full_state(one), two["trained"]
     assert list(got["model"]) == list(want["model"])
