@@ -26,7 +26,9 @@ Tools: `list_documents(start)` (ids and titles, 200 a page), `read(doc_id)` and 
 (the WHOLE document text as the tool result) and `answer(answer)`. Success: the answer names the
 right entity (case, punctuation, a leading "the" and a trailing "river" ignored). The outcome
 details carry hops, distance, the evidence documents, and the documents, characters and tokens
-(characters / 4) read.
+(characters / 4) read. The prompt asks the agent to write the chain found so far before each
+call ("Chain: Velkaro Works was founded by Ana Kamiro."); the scripted expert does (`chain_note`).
+Only the answer is graded: the note earns nothing.
 
 Size: a token here is 4 characters (the usual rule of thumb; the text averages 6.2 characters a
 word, ~1.6 tokens, and a 768-token byte-level BPE trained on it gives 3.8 characters a token). A
@@ -170,16 +172,34 @@ def facts_in(text: str) -> Iterator[tuple[str, str, str]]:
                 break
 
 
+def chain_prefix(facts: dict[tuple[str, str], str], start: str, relations: list[str]) -> list[str]:
+    """The chain's entities as far as `facts` ((relation, subject) -> object) resolve it: `start`,
+    then each hop's object while its link is known (the longest resolvable prefix; all
+    `len(relations) + 1` of them once the chain closes)."""
+    entities = [start]
+    for relation in relations:
+        found = facts.get((relation, entities[-1]))
+        if found is None:
+            break
+        entities.append(found)
+    return entities
+
+
 def resolve(facts: dict[tuple[str, str], str], start: str, relations: list[str]) -> str | None:
     """Follow the chain from `start` through `facts` ((relation, subject) -> object); None while a
     link is missing."""
-    current = start
-    for relation in relations:
-        found = facts.get((relation, current))
-        if found is None:
-            return None
-        current = found
-    return current
+    entities = chain_prefix(facts, start, relations)
+    return entities[-1] if len(entities) == len(relations) + 1 else None
+
+
+def chain_note(entities: list[str], relations: list[str]) -> str:
+    """The running note the expert writes before each call: `Chain: <start>.` while no link is
+    known, then each known link (`entities` from `chain_prefix`) in the env's own wording, one
+    fixed template a relation: "Chain: Velkaro Works was founded by Ana Kamiro. Ana Kamiro was born
+    in Tanmiford." Each note without its final "." starts the next one."""
+    known = zip(relations, entities, entities[1:], strict=False)  # the links known so far
+    links = [statement(relation, s, o, 0) for relation, s, o in known]
+    return "Chain: " + (" ".join(links) if links else f"{entities[0]}.")
 
 
 def relations_for(hops: int) -> list[str]:
@@ -481,8 +501,9 @@ class LongHorizonEnv(ToolEnv):
                 f"{self.question} The archive holds {self.num_documents} documents (ids 0 to "
                 f"{self.num_documents - 1}) in chronological order; the facts you need are in "
                 "different documents, far apart. Read the documents in order with read_next (or "
-                "read one by id), remember what you learn, then call answer. Claims called myths, "
-                "rumours or retractions are false."
+                "read one by id), remember what you learn, then call answer. Before each tool "
+                "call, write the chain you have found so far, as `Chain: ...`. Claims called "
+                "myths, rumours or retractions are false."
             )
         ]
 
@@ -507,9 +528,12 @@ class LongHorizonEnv(ToolEnv):
 class LongHorizonExpert:
     """Reads the archive in order with `read_next`, collecting the true statements it sees (and
     skipping retracted ones), until the question's chain can be followed to its end; then answers.
-    It never looks at where the evidence is: only at the question's chain and the text it read.
-    `error_rate` of its episodes answer with a planted distractor instead (a near miss or the
-    retracted claim's value)."""
+    Before each call it writes the chain found so far (`chain_note`: the question's start, then
+    each link known), so every decision depends on one look-up keyed by what it just wrote. It
+    never looks at where the evidence is: only at the question's start and relations and the text
+    it read. `error_rate` of its episodes answer with a planted distractor instead (a near miss or
+    the retracted claim's value, both in documents already read), written as the note's last link
+    too, so note and answer agree."""
 
     def __init__(self, *, error_rate: float = 0.0, seed: int = 0):
         if not 0.0 <= error_rate <= 1.0:
@@ -534,13 +558,15 @@ class LongHorizonExpert:
                 for relation, subject, obj in facts_in(message["content"]):
                     self._facts[(relation, subject)] = obj
         self._seen = len(history)
-        found = resolve(self._facts, archive.chain[0], archive.relations)
+        relations = archive.relations
+        entities = chain_prefix(self._facts, archive.chain[0], relations)
+        closed = len(entities) == len(relations) + 1
         ended = bool(history) and str(history[-1].get("content", "")).startswith(
             "Error: the archive ends"
         )
-        if found is None and not ended:
-            return assistant("", [tool_call("read_next", {})])
-        given = found if found is not None else archive.chain[0]
-        if self._wrong and archive.decoys:
-            given = archive.decoys[int(self.rng.integers(len(archive.decoys)))]
-        return assistant("", [tool_call("answer", {"answer": given})])
+        if not closed and not ended:
+            return assistant(chain_note(entities, relations), [tool_call("read_next", {})])
+        if closed and self._wrong and archive.decoys:  # a misreading of the last link
+            entities[-1] = archive.decoys[int(self.rng.integers(len(archive.decoys)))]
+        note = chain_note(entities, relations)
+        return assistant(note, [tool_call("answer", {"answer": entities[-1]})])

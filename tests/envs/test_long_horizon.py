@@ -19,12 +19,15 @@ from envs.long_horizon import (
     RETRACTED,
     Archive,
     LongHorizonEnv,
+    chain_note,
+    chain_prefix,
     facts_in,
     make_archive,
     normalize,
     resolve,
 )
 from envs.types import assistant, tool_call
+from rollout.parse import parse_turn
 
 ID = "agentrl/LongHorizon-v0"
 
@@ -95,6 +98,111 @@ def test_an_imperfect_expert_answers_with_distractors():
     inner = env.unwrapped
     assert all(o["details"]["given"] != o["details"]["expected"] for o in wrong)
     assert inner.archive.decoys  # what the wrong answers are drawn from
+
+
+def note_links(note: str) -> list[tuple[str, str, str]]:
+    """The links a chain note states, as (relation, subject, object)."""
+    assert note.startswith("Chain: ") and note.endswith("."), note
+    return list(facts_in(note.removeprefix("Chain: ")))
+
+
+def expert_turns(demo):
+    """Each expert turn as (note, call, documents read before it, true facts read before it)."""
+    docs_read, facts, turns = 0, set(), []
+    for message in demo.messages:
+        if message["role"] == "assistant":
+            [call] = message["tool_calls"]
+            turns.append((message["content"], call["function"], docs_read, set(facts)))
+        elif message.get("name") == "read_next" and not message["content"].startswith("Error"):
+            docs_read += 1
+            facts |= set(facts_in(message["content"]))
+    return turns
+
+
+def test_chain_prefix_and_note():
+    relations = ["founder", "birthplace", "river"]
+    facts = {("founder", "Velkaro Works"): "Ana Kamiro", ("river", "Tanmiford"): "Sorbe"}
+    assert chain_prefix(facts, "Velkaro Works", relations) == ["Velkaro Works", "Ana Kamiro"]
+    assert resolve(facts, "Velkaro Works", relations) is None
+    facts[("birthplace", "Ana Kamiro")] = "Tanmiford"
+    entities = chain_prefix(facts, "Velkaro Works", relations)
+    assert entities == ["Velkaro Works", "Ana Kamiro", "Tanmiford", "Sorbe"]
+    assert resolve(facts, "Velkaro Works", relations) == "Sorbe"
+    assert chain_note(entities[:1], relations) == "Chain: Velkaro Works."
+    assert chain_note(entities[:2], relations) == "Chain: Velkaro Works was founded by Ana Kamiro."
+    assert chain_note(entities, relations) == (
+        "Chain: Velkaro Works was founded by Ana Kamiro. Ana Kamiro was born in Tanmiford. "
+        "Tanmiford lies on the Sorbe river."
+    )
+    assert note_links(chain_note(entities, relations))[-1] == ("river", "Tanmiford", "Sorbe")
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "random"])
+def test_the_experts_notes_name_only_what_it_has_read_and_only_grow(order):
+    env = gymnasium.make(ID, hops=3, distance=2, evidence_order=order, distractors=2)
+    expert = envs.make_expert(ID, seed=0)
+    for seed in range(12):
+        demo = envs.demonstrate(env, expert, seed=seed)
+        archive = env.unwrapped.archive
+        assert demo.outcome["success"] and "`Chain: ...`" in demo.messages[0]["content"]
+        turns = expert_turns(demo)
+        for note, call, docs_read, facts in turns:
+            # the links known: every hop up to the first whose document is still unread
+            known = 0
+            while known < len(archive.relations) and archive.positions[known] < docs_read:
+                known += 1
+            assert note == chain_note(archive.chain[: known + 1], archive.relations), seed
+            links = note_links(note)
+            assert len(links) == known and set(links) <= facts  # read, before this turn
+            assert call["name"] == ("answer" if known == len(archive.relations) else "read_next")
+        notes = [note for note, *_ in turns]
+        for earlier, later in itertools.pairwise(notes):
+            assert later.startswith(earlier.removesuffix("."))  # a note only grows
+            assert note_links(later)[: len(note_links(earlier))] == note_links(earlier)
+
+
+def test_a_wrong_demonstrations_note_ends_with_its_decoy():
+    for hops in (2, 3):
+        env = gymnasium.make(ID, hops=hops, distractors=2)
+        expert = envs.make_expert(ID, error_rate=1.0, seed=3)
+        for seed in range(10):
+            demo = envs.demonstrate(env, expert, seed=seed)
+            archive = env.unwrapped.archive
+            note, call, *_ = expert_turns(demo)[-1]
+            given = call["arguments"]["answer"]
+            assert call["name"] == "answer" and not demo.outcome["success"]
+            assert given in archive.decoys and given == demo.outcome["details"]["given"]
+            links = note_links(note)
+            assert links[-1] == (archive.relations[-1], archive.chain[-2], given)
+            true = list(zip(archive.relations, archive.chain[:-1], archive.chain[1:], strict=True))
+            assert links[:-1] == true[:-1]  # only the last link is misread
+            notes = [n for n, *_ in expert_turns(demo)]
+            assert all(b.startswith(a.removesuffix(".")) for a, b in itertools.pairwise(notes))
+
+
+def test_the_final_note_ends_with_the_graded_answer():
+    env = gymnasium.make(ID, hops=3, distance=3, distractors=3)
+    expert = envs.make_expert(ID, seed=0)
+    for seed in range(10):
+        demo = envs.demonstrate(env, expert, seed=seed)
+        note, call, *_ = expert_turns(demo)[-1]
+        details = demo.outcome["details"]
+        assert demo.outcome["success"] and call["name"] == "answer"
+        assert note_links(note)[-1][2] == call["arguments"]["answer"] == details["expected"]
+
+
+def test_a_note_and_its_call_render_and_parse_back_as_one_turn():
+    from policy.tokenizer import render_conversations
+
+    demo = envs.demonstrate(gymnasium.make(ID), envs.make_expert(ID), seed=1)
+    [text] = render_conversations([(demo.messages, demo.tools)])
+    turns = [t.split("<|im_end|>")[0] for t in text.split("<|im_start|>assistant\n")[1:]]
+    expected = [m for m in demo.messages if m["role"] == "assistant"]
+    assert len(turns) == len(expected) >= 2
+    for turn, message in zip(turns, expected, strict=True):
+        assert turn.startswith(message["content"] + "\n<tool_call>")
+        parsed = parse_turn(turn)
+        assert parsed.errors == [] and parsed.message == message
 
 
 def test_the_task_is_deterministic_in_the_seed():
