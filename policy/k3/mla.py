@@ -205,10 +205,8 @@ class GatedMLA(nn.Module):
         reference paths over the full [B, H, T, S] scores (`attend_naive` / `attend_absorbed`)
         instead of the blockwise `attend`.
         """
-        batch, length, _ = hidden_BTD.shape
-        if cache is None:
-            empty = hidden_BTD.new_zeros(batch, 0, self.kv_lora_rank + self.qk_rope_head_dim)
-            cache = MLACache(empty, torch.ones(batch, 0, dtype=torch.bool, device=empty.device))
+        length = hidden_BTD.shape[1]
+        cache = self.empty_cache(hidden_BTD) if cache is None else cache
         past = cache.length
         cache = cache.append(self.latent(hidden_BTD), mask)
         if absorbed is None:
@@ -229,12 +227,18 @@ class GatedMLA(nn.Module):
             o_BTHV = o_BTHV * gate_BTHV
         return self.o_proj(o_BTHV.flatten(-2)), cache
 
+    def empty_cache(self, hidden_BTD: Tensor) -> MLACache:
+        """No latents yet (a forward from the sequence's start)."""
+        batch = hidden_BTD.shape[0]
+        empty = hidden_BTD.new_zeros(batch, 0, self.kv_lora_rank + self.qk_rope_head_dim)
+        return MLACache(empty, torch.ones(batch, 0, dtype=torch.bool, device=empty.device))
+
     def forward_at(
         self,
         hidden_BTD: Tensor,
         positions: list[int],
         *,
-        cache: MLACache,
+        cache: MLACache | None = None,
         mask: Tensor | None = None,
     ) -> tuple[Tensor, MLACache]:
         """`forward`'s output at `positions` only (sorted indices into the T new tokens) ->
@@ -243,6 +247,7 @@ class GatedMLA(nn.Module):
         its own position: run by run of consecutive positions, in the absorbed form. What a
         loss on a few positions needs of the last token-mixing layer (policy/k3/modeling.py
         `K3Model.forward(positions=...)`): O(U * S) attention instead of O(T * S)."""
+        cache = self.empty_cache(hidden_BTD) if cache is None else cache
         past = cache.length
         cache = cache.append(self.latent(hidden_BTD), mask)
         index_U = torch.tensor(positions, dtype=torch.long, device=hidden_BTD.device)

@@ -54,7 +54,7 @@ from policy.k3.attn_res import AttnRes, AttnResState, closes_block
 from policy.k3.cache import K3Cache
 from policy.k3.configuration import K3Config
 from policy.k3.kda import GatedRMSNorm, KimiDeltaAttention
-from policy.k3.mla import GatedMLA, MLACache
+from policy.k3.mla import GatedMLA
 from policy.k3.moe import GroupedExperts, StableLatentMoE
 from policy.k3.routing import Routing, TopKRouter
 from policy.k3.situ import SituGLU
@@ -194,7 +194,7 @@ class K3DecoderLayer(nn.Module):
         assert not self.is_kda, "forward_at is for an MLA layer"
         index_U = torch.tensor(positions, dtype=torch.long, device=_hidden(state).device)
         x_BTD = self.mixer_input(state)  # every position: the latents need it
-        slots = cache.mla(self.layer_idx) if cache is not None else _no_cache(x_BTD, self.self_attn)
+        slots = cache.mla(self.layer_idx) if cache is not None else None
         mixed_BUD, _ = self.self_attn.forward_at(x_BTD, positions, cache=slots, mask=mask_BT)
         if replay_TK is not None:  # [B*T, K] or [B, T, K] -> [B*U, K]
             replay_TK = replay_TK.reshape(x_BTD.shape[0], x_BTD.shape[1], -1)[:, index_U]
@@ -244,12 +244,6 @@ def _spread(routing: Routing, positions: list[int], batch: int, length: int) -> 
     return routing._replace(
         indices_TK=spread(routing.indices_TK), chosen_TK=spread(routing.chosen_TK)
     )
-
-
-def _no_cache(x_BTD: Tensor, mla) -> MLACache:
-    """An empty latent cache (a forward from the sequence's start)."""
-    latent = x_BTD.new_zeros(x_BTD.shape[0], 0, mla.kv_lora_rank + mla.qk_rope_head_dim)
-    return MLACache(latent, torch.ones(x_BTD.shape[0], 0, dtype=torch.bool, device=x_BTD.device))
 
 
 class K3PreTrainedModel(PreTrainedModel):

@@ -1,0 +1,68 @@
+"""Does SFT take on LongHorizon-v0? Held-out greedy success, and whether the policy answers on
+time (right after the document holding the chain's last link), at the SFT length and longer.
+
+    .venv/bin/python benchmarks/sft_probe.py --out runs/probe sft.demonstrations=500 sft.epochs=4
+    .venv/bin/python benchmarks/sft_probe.py --out runs/pde-1m --eval-only     # an existing SFT
+
+SFT (`rl.run.train.warm_start`) runs on `configs/long_horizon.yaml` with the dotted overrides
+given (kept in `--out/sft-model`; skipped with --eval-only); then 50 held-out tasks greedy
+through the run's RolloutWorker at the run file's documents and at `--long` documents
+(1,000 tokens, 3 apart: 8K-token episodes). Printed per setting: success, answered, on time,
+and how many episodes wrote a `Chain:` note every turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LONG = ["env.kwargs.doc_tokens=1000", "env.kwargs.distance=3", "env.kwargs.max_turns=9",
+        "rollout.max_turns=9", "rollout.max_seq_len=8704"]  # fmt: skip
+TASKS = range(7_100_000, 7_100_050)  # held out: disjoint from the demonstrations' seeds
+
+
+def evaluate(model_dir: Path, overrides: list[str]) -> dict[str, int]:
+    from rl.config.runfile import load_config
+    from rl.run.build import build_worker, sampling
+
+    cfg = load_config(ROOT / "configs/long_horizon.yaml", overrides)
+    worker = build_worker(cfg, model_dir, None, "probe", 0)
+    trajs = worker.run(list(TASKS), sampling(cfg.rollout, worker.renderer, greedy=True))
+    out = {"tasks": len(trajs), "success": 0, "answered": 0, "on_time": 0, "notes": 0}
+    for traj in trajs:
+        turns = [m for m in traj.messages if m["role"] == "assistant"]
+        calls = [c["function"]["name"] for m in turns for c in m.get("tool_calls") or []]
+        outcome = traj.outcome or {}
+        details = outcome.get("details", outcome)
+        out["success"] += traj.success
+        out["notes"] += all((m.get("content") or "").startswith("Chain:") for m in turns)
+        if calls and calls[-1] == "answer":
+            out["answered"] += 1
+            evidence = details.get("evidence_docs") or [-2]
+            out["on_time"] += details.get("docs_read") == max(evidence) + 1
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--eval-only", action="store_true")
+    p.add_argument("overrides", nargs="*", help="run-file overrides for the SFT")
+    args = p.parse_args()
+    if not args.eval_only:
+        from rl.config.runfile import load_config
+        from rl.run.train import warm_start
+
+        _, report = warm_start(load_config(ROOT / "configs/long_horizon.yaml", args.overrides),
+                               args.out)  # fmt: skip
+        print(f"SFT: {report}", flush=True)
+    for name, overrides in (("run file's documents", []), ("1,000-token documents", LONG)):
+        print(f"{name}: {evaluate(args.out / 'sft-model', overrides)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
