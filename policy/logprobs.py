@@ -107,9 +107,9 @@ def segmented_logprobs(
     selected_only (with select_BT, an MLA last layer and no padding): the last layer attends
     and runs its MLP only at the positions selected in some row (`K3Model.forward(positions=
     ...)`): the same values and gradients at the selected positions, O(U * T) instead of
-    O(T^2) attention in that layer; the other positions' values are 0. Its router then sees
-    those positions only (Quantile Balancing's statistics of that layer; its routed experts
-    are -1 elsewhere)."""
+    O(T^2) attention in that layer; the other positions' values are 0. Its router's calls
+    are left out of Quantile Balancing's statistics (policy/parallel.py RouterStats); its
+    routed experts are -1 at the other positions."""
     layers = getattr(model.get_decoder(), "layers", None)
     selected_only = (
         selected_only

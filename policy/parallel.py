@@ -416,6 +416,8 @@ class RouterStats:
 
     @torch.no_grad()
     def _observe(self, name, mask_BT, cursors, router, args, routing) -> None:
+        if getattr(router, "routes_subset", False):  # some positions of each sequence only (the
+            return  # last layer at the loss positions): not a sample of them, nor their columns
         scores_TE, indices_TK = routing.scores_TE, routing.indices_TK
         if mask_BT is not None:
             start, width = cursors[name], scores_TE.shape[0] // mask_BT.shape[0]
@@ -459,5 +461,6 @@ class RouterStats:
             load_N = self._loads.get(name, torch.zeros(router.num_experts, dtype=torch.long))
             load_N = load_N.to(device).clone()
             dist.all_reduce(load_N, group=self.group)
-            metrics |= {f"{name}/{key}": v for key, v in load_summary(load_N).items()}
+            if load_N.sum() > 0:  # a layer no rank recorded (routes_subset) has no figures
+                metrics |= {f"{name}/{key}": v for key, v in load_summary(load_N).items()}
         return metrics

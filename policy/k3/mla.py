@@ -220,12 +220,17 @@ class GatedMLA(nn.Module):
             o_BTHV = attend(q_BTHQ, cache.latent, allowed_BTS)
         else:
             o_BTHV = self.attend(q_BTHQ, cache.latent, cache.key_mask, past=past, absorbed=absorbed)
-        if mask is not None:
-            o_BTHV = o_BTHV * mask.to(o_BTHV.dtype)[:, :, None, None]
+        return self.output(o_BTHV, hidden_BTD, mask), cache
+
+    def output(self, o_BTHV: Tensor, x_BTD: Tensor, mask_BT: Tensor | None) -> Tensor:
+        """Attention output [B, T, H, Dv] -> [B, T, D]: padded queries zeroed, K3's sigmoid
+        gate of the layer input x, o_proj."""
+        if mask_BT is not None:
+            o_BTHV = o_BTHV * mask_BT.to(o_BTHV.dtype)[:, :, None, None]
         if hasattr(self, "g_proj"):
-            gate_BTHV = torch.sigmoid(self.g_proj(hidden_BTD)).unflatten(-1, (self.num_heads, -1))
+            gate_BTHV = torch.sigmoid(self.g_proj(x_BTD)).unflatten(-1, (self.num_heads, -1))
             o_BTHV = o_BTHV * gate_BTHV
-        return self.o_proj(o_BTHV.flatten(-2)), cache
+        return self.o_proj(o_BTHV.flatten(-2))
 
     def empty_cache(self, hidden_BTD: Tensor) -> MLACache:
         """No latents yet (a forward from the sequence's start)."""
@@ -246,7 +251,9 @@ class GatedMLA(nn.Module):
         (the keys of later queries), but only the U queries attend, each over the keys up to
         its own position: run by run of consecutive positions, in the absorbed form. What a
         loss on a few positions needs of the last token-mixing layer (policy/k3/modeling.py
-        `K3Model.forward(positions=...)`): O(U * S) attention instead of O(T * S)."""
+        `K3Model.forward(positions=...)`): O(U * S) attention instead of O(T * S). Equal to
+        `forward` at those positions up to rounding: in float32 / float64; under bf16 the
+        absorbed form rounds differently from the naive one a first segment would use."""
         cache = self.empty_cache(hidden_BTD) if cache is None else cache
         past = cache.length
         cache = cache.append(self.latent(hidden_BTD), mask)
@@ -265,12 +272,7 @@ class GatedMLA(nn.Module):
         o_BUHV = (
             torch.cat(outs, dim=1) if outs else q_BUHQ.new_zeros(*q_BUHQ.shape[:3], self.v_head_dim)
         )
-        if mask is not None:
-            o_BUHV = o_BUHV * mask[:, index_U].to(o_BUHV.dtype)[:, :, None, None]
-        if hasattr(self, "g_proj"):
-            gate_BUHV = torch.sigmoid(self.g_proj(x_BUD)).unflatten(-1, (self.num_heads, -1))
-            o_BUHV = o_BUHV * gate_BUHV
-        return self.o_proj(o_BUHV.flatten(-2)), cache
+        return self.output(o_BUHV, x_BUD, None if mask is None else mask[:, index_U]), cache
 
 
 def _run_ends(positions: list[int]) -> list[int]:

@@ -173,17 +173,7 @@ class K3DecoderLayer(nn.Module):
             return self.forward_at(
                 state, positions, mask_BT=mask_BT, cache=cache, replay_TK=replay_TK
             )
-        if self.block_size is None:
-            h_BTD = state + self.mix(self.mixer_input(state), mask_BT, cache)
-            out_BTD, routing = self.ffn(self.post_attention_layernorm(h_BTD), replay_TK)
-            return h_BTD + out_BTD, routing
-        x_BTD = self.mixer_input(state)
-        if closes_block(self.layer_idx, self.block_size):
-            state = state.close_block()
-        state = state.add(self.mix(x_BTD, mask_BT, cache))
-        h_BTD = self.mlp_res(state)
-        out_BTD, routing = self.ffn(self.post_attention_layernorm(h_BTD), replay_TK)
-        return state.add(out_BTD).partial, routing
+        return self.after_mix(state, self.mix(self.mixer_input(state), mask_BT, cache), replay_TK)
 
     def forward_at(self, state, positions: list[int], *, mask_BT=None, cache=None, replay_TK=None):
         """`forward`'s result at `positions` only (sorted indices into T) for an MLA layer whose
@@ -199,14 +189,27 @@ class K3DecoderLayer(nn.Module):
         if replay_TK is not None:  # [B*T, K] or [B, T, K] -> [B*U, K]
             replay_TK = replay_TK.reshape(x_BTD.shape[0], x_BTD.shape[1], -1)[:, index_U]
         sub = _at(state, index_U)
+        gate = self.mlp.gate if self.is_sparse else None
+        try:  # Quantile Balancing's statistics skip this call (policy/parallel.py RouterStats)
+            if gate is not None:
+                gate.routes_subset = True
+            return (*self.after_mix(sub, mixed_BUD, replay_TK), sub)
+        finally:
+            if gate is not None:
+                gate.routes_subset = False
+
+    def after_mix(self, state, mixed_BTD: Tensor, replay_TK) -> tuple[Tensor, Routing | None]:
+        """The residual, the MLP and its residual after the token mixer's output `mixed_BTD`
+        -> (out_BTD, routing), as `forward` returns them."""
         if self.block_size is None:
-            h_BUD = sub + mixed_BUD
-            out_BUD, routing = self.ffn(self.post_attention_layernorm(h_BUD), replay_TK)
-            return h_BUD + out_BUD, routing, sub
-        inner = sub.close_block() if closes_block(self.layer_idx, self.block_size) else sub
-        inner = inner.add(mixed_BUD)
-        out_BUD, routing = self.ffn(self.post_attention_layernorm(self.mlp_res(inner)), replay_TK)
-        return inner.add(out_BUD).partial, routing, sub
+            h_BTD = state + mixed_BTD
+            out_BTD, routing = self.ffn(self.post_attention_layernorm(h_BTD), replay_TK)
+            return h_BTD + out_BTD, routing
+        if closes_block(self.layer_idx, self.block_size):
+            state = state.close_block()
+        state = state.add(mixed_BTD)
+        out_BTD, routing = self.ffn(self.post_attention_layernorm(self.mlp_res(state)), replay_TK)
+        return state.add(out_BTD).partial, routing
 
     def next_state(self, state, out_BTD: Tensor):
         """The residual state after this layer, from its input `state` and its forward's
@@ -360,15 +363,15 @@ class K3Model(K3PreTrainedModel):
         routings = []
         for layer in self.layers:
             replay_TK = next(replays) if replays is not None and layer.is_sparse else None
-            if positions is not None and layer is self.layers[-1]:
+            at = positions if layer is self.layers[-1] else None
+            if at is not None:
                 out_BTD, routing, state = layer(
-                    state, mask_BT=mask_BT, cache=cache, replay_TK=replay_TK, positions=positions
+                    state, mask_BT=mask_BT, cache=cache, replay_TK=replay_TK, positions=at
                 )
+                routing = None if routing is None else _spread(routing, at, *input_ids.shape)
             else:
                 out_BTD, routing = layer(state, mask_BT=mask_BT, cache=cache, replay_TK=replay_TK)
             state = layer.next_state(state, out_BTD)
-            if routing is not None and positions is not None and layer is self.layers[-1]:
-                routing = _spread(routing, positions, *input_ids.shape)
             if routing is not None:
                 routings.append(routing)
         if self.config.attn_res_block_size is not None:

@@ -100,10 +100,13 @@ class TrainerConfig(Section):
     preset): a micro-batch longer than segment_tokens without padding runs that last layer's
     attention and MLP at the positions that reach the loss (the sampled tokens) only: every
     position still passes the earlier layers and leaves its latent as a key. The loss and the
-    gradients are unchanged; the last layer's O(T^2) attention becomes O(U * T) for U loss
-    positions (about 0.4% of a long agentic episode). That layer's router statistics
-    (Quantile Balancing) then count those positions only. The LM head runs inside each
-    segment's checkpoint whenever no value head needs the hidden states (not ppo)."""
+    gradients are unchanged (up to rounding in float32; under bf16 autocast the first segment's
+    attention takes the absorbed form, which rounds differently); the last layer's O(T^2)
+    attention becomes O(U * T) for U loss positions (about 0.4% of a long agentic episode).
+    That layer's router is left out of the step's Quantile Balancing statistics and load
+    metrics for those micro-batches (its bias holds if every micro-batch took this path). The
+    LM head runs inside each segment's checkpoint whenever no value head needs the hidden
+    states (not ppo)."""
     autocast: Literal["none", "bf16"] = "none"
     """bf16: the learner's forward (and so its backward) under torch.autocast in bfloat16; the
     weights, gradients and optimizer state stay fp32, and K3's KDA recurrence, attention softmax,

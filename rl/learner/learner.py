@@ -590,10 +590,13 @@ def _mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
     if not positions:
         return {}
     layers = sorted(k.rsplit(".", 1)[1] for k in sums if k.startswith("routing.mismatch."))
-    rates = {  # over the positions each layer routed (the last one: the loss positions only
-        f"moe/routing_mismatch_layer{m}": sums[f"routing.mismatch.{m}"]  # under
-        / max(sums.get(f"routing.measured.{m}", positions), 1e-9)  # loss_positions_only)
-        for m in layers
+    measured = {m: sums.get(f"routing.measured.{m}", positions) for m in layers}
+    rates = {  # over the positions each layer routed (the last one, under loss_positions_only:
+        f"moe/routing_mismatch_layer{m}": sums[f"routing.mismatch.{m}"] / measured[m]  # the loss
+        for m in layers  # positions only); a layer that routed none has no rate
+        if measured[m] > 0
     }
-    rates["moe/routing_mismatch"] = sum(rates.values()) / len(rates)
+    total = sum(measured.values())
+    if total > 0:  # pooled over the layers' positions
+        rates["moe/routing_mismatch"] = sum(sums[f"routing.mismatch.{m}"] for m in layers) / total
     return rates

@@ -11,7 +11,7 @@ import torch
 from policy.k3.footprint import PeakBytes
 from policy.logprobs import TokenLogprobs
 from tests.policy.k3.test_engine import make_model
-from tests.policy.k3.test_segments import batch, random_replay, two_mla_model
+from tests.policy.k3.test_segments import LAYERS, batch, random_replay, two_mla_model
 
 F64 = torch.float64
 
@@ -128,13 +128,22 @@ def selected_only(model, ids_BT, select_BT, segment: int, only: bool, replay=Non
 
 @pytest.mark.parametrize("segment", [64, 100])
 @pytest.mark.parametrize("replay", [False, True])
-def test_the_last_layer_at_the_selected_positions_only_changes_nothing(segment, replay):
+@pytest.mark.parametrize("case", ["runs", "tail", "attn-res-closes"])
+def test_the_last_layer_at_the_selected_positions_only_changes_nothing(segment, replay, case):
     """The last (MLA) layer at the selected positions alone: logprobs, entropy and every
     gradient equal the whole forward's (float64, 1e-10); its routes equal at those positions
-    and are -1 elsewhere, the other layers' everywhere."""
+    and are -1 elsewhere, the other layers' everywhere. Cases: four runs of positions; the
+    last 16 only (segments with no position); AttnRes blocks of 3, so that the last layer
+    (index 3) closes a block."""
     model = two_mla_model()
+    if case == "attn-res-closes":
+        la = {"num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4, **LAYERS}
+        model = make_model(F64, linear_attn_config=la, attn_res_block_size=3)
     ids_BT, _ = batch(pad=0)
     select_BT = selected_runs(ids_BT.shape[1])
+    if case == "tail":
+        select_BT = torch.zeros_like(select_BT)
+        select_BT[:, -16:] = True
     experts = random_replay(model, ids_BT) if replay else None
     want = selected_only(model, ids_BT, select_BT, segment, False, experts)
     got = selected_only(model, ids_BT, select_BT, segment, True, experts)
