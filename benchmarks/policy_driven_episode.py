@@ -100,20 +100,21 @@ class Timed:
         return getattr(self.inner, name)
 
     def add(self, keys, token_ids):
-        start = time.perf_counter()
         try:
-            return self.inner.add(keys, token_ids)
+            return self._timed("prefill", self.inner.add, keys, token_ids)
         finally:
-            self.seconds["prefill"] += time.perf_counter() - start
             if not self.quiet and sum(len(t) for t in token_ids) > 1000:  # a document read
                 self._progress(keys)
 
     def step(self, keys, params):
+        return self._timed("decode", self.inner.step, keys, params)
+
+    def _timed(self, key: str, call, *args):
         start = time.perf_counter()
         try:
-            return self.inner.step(keys, params)
+            return call(*args)
         finally:
-            self.seconds["decode"] += time.perf_counter() - start
+            self.seconds[key] += time.perf_counter() - start
 
     def drop(self, keys):
         for key in keys:

@@ -16,11 +16,13 @@ from tests.policy.k3.test_segments import LAYERS, batch, random_replay, two_mla_
 F64 = torch.float64
 
 
-def loss_and_grads(model, ids_BT, mask_BT, select_BT, segment: int, keep: bool, replay=None):
+def loss_and_grads(
+    model, ids_BT, mask_BT, select_BT, segment: int, keep: bool, replay=None, only=False
+):
     """(logp [B, T-1], entropy [B, T-1], routed, every parameter's gradient of a fixed
-    weighting of both)."""
+    weighting of both); `only`: TokenLogprobs' selected_only."""
     model.zero_grad(set_to_none=True)
-    trunk = TokenLogprobs(model, segment_tokens=segment)
+    trunk = TokenLogprobs(model, segment_tokens=segment, selected_only=only)
     logp_BT, entropy_BT, hidden, routed = trunk(
         ids_BT, mask_BT, 0.7, select_BT, replay_experts=replay, return_routing=True,
         keep_hidden=keep,
@@ -113,17 +115,8 @@ def selected_runs(length: int) -> torch.Tensor:
 
 
 def selected_only(model, ids_BT, select_BT, segment: int, only: bool, replay=None):
-    model.zero_grad(set_to_none=True)
-    trunk = TokenLogprobs(model, segment_tokens=segment, selected_only=only)
-    logp_BT, entropy_BT, _, routed = trunk(
-        ids_BT, torch.ones_like(ids_BT), 0.7, select_BT, replay_experts=replay,
-        return_routing=True, keep_hidden=False,
-    )  # fmt: skip
-    gen = torch.Generator().manual_seed(3)
-    w1_BT, w2_BT = torch.randn(2, *logp_BT.shape, generator=gen, dtype=F64)
-    (logp_BT * w1_BT + entropy_BT * w2_BT).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logp_BT.detach(), entropy_BT.detach(), routed, grads
+    mask_BT = torch.ones_like(ids_BT)
+    return loss_and_grads(model, ids_BT, mask_BT, select_BT, segment, False, replay, only)
 
 
 @pytest.mark.parametrize("segment", [64, 100])
