@@ -8,12 +8,15 @@ SFT (`rl.run.train.warm_start`) runs on `configs/long_horizon.yaml` with the dot
 given (kept in `--out/sft-model`; skipped with --eval-only); then 50 held-out tasks greedy
 through the run's RolloutWorker at the run file's documents and at `--long` documents
 (1,000 tokens, 3 apart: 8K-token episodes). Printed per setting: success, answered, on time,
-and how many episodes wrote a `Chain:` note every turn.
+how many episodes wrote a `Chain:` note every turn, and in how many the first note copied the
+question's start entity (`copies`: the plainest copy the task asks for).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import re
 import sys
 from pathlib import Path
 
@@ -32,7 +35,7 @@ def evaluate(model_dir: Path, overrides: list[str]) -> dict[str, int]:
     cfg = load_config(ROOT / "configs/long_horizon.yaml", overrides)
     worker = build_worker(cfg, model_dir, None, "probe", 0)
     trajs = worker.run(list(TASKS), sampling(cfg.rollout, worker.renderer, greedy=True))
-    out = {"tasks": len(trajs), "success": 0, "answered": 0, "on_time": 0, "notes": 0}
+    out = {"tasks": len(trajs), "success": 0, "answered": 0, "on_time": 0, "notes": 0, "copies": 0}
     for traj in trajs:
         turns = [m for m in traj.messages if m["role"] == "assistant"]
         calls = [c["function"]["name"] for m in turns for c in m.get("tool_calls") or []]
@@ -40,11 +43,21 @@ def evaluate(model_dir: Path, overrides: list[str]) -> dict[str, int]:
         details = outcome.get("details", outcome)
         out["success"] += traj.success
         out["notes"] += all((m.get("content") or "").startswith("Chain:") for m in turns)
+        out["copies"] += _copies_start(traj.messages)
         if calls and calls[-1] == "answer":
             out["answered"] += 1
             evidence = details.get("evidence_docs") or [-2]
             out["on_time"] += details.get("docs_read") == max(evidence) + 1
     return out
+
+
+def _copies_start(messages: list[dict]) -> bool:
+    """Whether the first note names the question's own start entity ("Chain: <start>.", the
+    name copied from the question): the plainest copy the task asks for."""
+    question = next((m["content"] for m in messages if m["role"] == "user"), "")
+    first = next((m.get("content") or "" for m in messages if m["role"] == "assistant"), "")
+    found = re.match(r"Chain: ([^.]+)\.", first)
+    return bool(found) and f"of {found.group(1)} " in question.replace(".", " ")
 
 
 def main() -> None:
@@ -53,6 +66,7 @@ def main() -> None:
     p.add_argument("--eval-only", action="store_true")
     p.add_argument("overrides", nargs="*", help="run-file overrides for the SFT")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # progress lines
     if not args.eval_only:
         from rl.config.runfile import load_config
         from rl.run.train import warm_start

@@ -17,6 +17,11 @@ used by synthetic K3 configs) and rms_norm_eps (1e-5, Kimi-Linear's).
 reference implementations build those two norms without an eps argument, so they take the
 RMSNorm default 1e-6 (Moonshot's `KimiRMSNorm`, transformers' `KimiLinearRMSNorm` and
 `DeepseekV3RMSNorm`, DeepSeek-V3 `inference/model.py`), not `rms_norm_eps`.
+
+`mla_fan_in_init` (not a released key; initialisation only, no effect on a loaded checkpoint):
+MLA's `kv_a_proj_with_mqa`, `q_b_proj` and `kv_b_proj` drawn at std 1 / sqrt(fan_in) instead of
+`initializer_range`. At 0.02 a small model's attention logits start ~0.1 and its in-context
+copying takes thousands of steps to appear (docs/benchmarks.md "In-context copying").
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ class K3Config(PretrainedConfig):
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True
     mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (the reference's default eps)
+    mla_fan_in_init: bool = False  # init only: MLA's kv_a / q_b / kv_b at std fan_in^-0.5
     # MoE (section 5)
     num_experts: int = 896
     num_experts_per_token: int = 16

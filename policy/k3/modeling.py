@@ -268,7 +268,8 @@ class K3PreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         """Normal(0, initializer_range) matrices, unit norms, zero AttnRes pseudo-queries, and
-        the KDA gate parameters as in fla (A_log = 0 for the lower-bound gate)."""
+        the KDA gate parameters as in fla (A_log = 0 for the lower-bound gate); with
+        config.mla_fan_in_init, MLA's up-projections and kv_a at std fan_in^-0.5."""
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Embedding)):
             init.normal_(module.weight, mean=0.0, std=std)
@@ -286,6 +287,10 @@ class K3PreTrainedModel(PreTrainedModel):
             init.zeros_(module.proj.weight)  # uniform mixing at init (parent runs after children)
         elif isinstance(module, KimiDeltaAttention):
             _init_kda_gate(module)
+        elif isinstance(module, GatedMLA) and self.config.mla_fan_in_init:
+            q_up = module.q_b_proj if hasattr(module, "q_b_proj") else module.q_proj
+            for linear in (module.kv_a_proj_with_mqa, module.kv_b_proj, q_up):
+                init.normal_(linear.weight, mean=0.0, std=linear.in_features**-0.5)
 
 
 def _init_kda_gate(module: KimiDeltaAttention) -> None:

@@ -173,6 +173,12 @@ class PolicyConfig(Section):
     """Vocabulary of the tokenizer built offline for a fresh model."""
     tokenizer_demonstrations: int = Field(400, gt=0)
     """Expert episodes rendered as the tokenizer's training text (fresh models only)."""
+    copy_warmup_steps: int = Field(0, ge=0)
+    """The most steps of copy warm-up for a fresh model, before SFT (policy/warmup.py): random
+    token spans repeated, the loss on the repeat, so the policy learns to copy from its context
+    as a pretrained LLM can; it ends early once a batch is copied at 95% (0: no warm-up). A
+    dense Qwen3 learns it in ~100 steps; k3-tiny's copy loss stays at chance for thousands
+    (docs/benchmarks.md "In-context copying")."""
 
     @model_validator(mode="after")
     def _k3_preset(self) -> PolicyConfig:

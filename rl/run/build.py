@@ -5,6 +5,7 @@ Actors call these in their own process; the driver calls `prepare_policy` once p
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from policy.engines import rollout_policy
 from policy.hf import build_model, load_model, load_tokenizer
 from policy.sampling import SamplingParams
 from policy.tokenizer import build_tokenizer, render_conversations
+from policy.warmup import CopyWarmup, copy_warmup
 from reward import build_reward
 from rl import faults
 from rl.config.runfile import RolloutConfig, RunConfig
@@ -29,6 +31,8 @@ from rollout.keys import LEARNER_GROUP, RunKeys
 from rollout.render import ChatRenderer
 from rollout.stream import RedisGroupReader, RedisTrajectoryStream
 from rollout.worker import RolloutWorker
+
+logger = logging.getLogger(__name__)
 
 ERROR_SAMPLES = [
     "Error: unknown tool 'calc' (available: calculate)",
@@ -56,10 +60,32 @@ def prepare_policy(cfg: RunConfig, run_dir: Path) -> Path:
     )
     for config in (model.config, model.generation_config):
         config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if cfg.policy.copy_warmup_steps:
+        warm_up_copying(model, tokenizer, cfg.policy.copy_warmup_steps, seed=cfg.seed)
     out = run_dir / "policy-init"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def warm_up_copying(model, tokenizer, steps: int, *, seed: int) -> dict[str, float]:
+    """`copy_warmup` on the tokenizer's ordinary tokens (no special ones), with progress lines;
+    warns when the policy still copies less than half the tokens afterwards."""
+    special = set(tokenizer.all_special_ids)
+    ordinary = [i for i in range(len(tokenizer)) if i not in special]
+    logger.info(f"copy warm-up: up to {steps} steps on repeated random spans (policy/warmup.py)")
+    result = copy_warmup(model, ordinary, CopyWarmup(steps, seed=seed), progress=logger.info)
+    logger.info(
+        f"copy warm-up done in {result['copy_warmup/steps']} steps, "
+        f"{result['copy_warmup/seconds']:.0f} s: copy accuracy "
+        f"{result['copy_warmup/accuracy']:.1%} (chance {1 / len(ordinary):.1%})"
+    )
+    if result["copy_warmup/accuracy"] < 0.5:
+        logger.warning(
+            "the policy still copies under half the tokens after the copy warm-up: raise "
+            "policy.copy_warmup_steps (the skill appears suddenly, after a long plateau)"
+        )
+    return result
 
 
 def sampling(cfg: RolloutConfig, renderer: ChatRenderer, *, greedy: bool = False) -> SamplingParams:

@@ -324,3 +324,15 @@ def test_sft_trainer_smoke(tokenizer, tmp_path):
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 12 and losses[-1] < 0.5 * losses[0]
+
+
+def test_mla_fan_in_init_scales_only_the_mla_projections_it_names():
+    plain = K3ForCausalLM(k3_preset("k3-debug"))
+    wide = K3ForCausalLM(k3_preset("k3-debug", mla_fan_in_init=True))
+    mla_plain, mla_wide = plain.model.layers[-1].self_attn, wide.model.layers[-1].self_attn
+    for name in ("kv_a_proj_with_mqa", "kv_b_proj", "q_b_proj"):
+        weight = getattr(mla_wide, name).weight
+        assert weight.std().item() == pytest.approx(weight.shape[1] ** -0.5, rel=0.15)
+        assert getattr(mla_plain, name).weight.std().item() == pytest.approx(0.02, rel=0.15)
+    for name in ("q_a_proj", "o_proj"):  # the rest as before
+        assert getattr(mla_wide, name).weight.std().item() == pytest.approx(0.02, rel=0.15)
