@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,29 +31,21 @@ MODELS = {
 
 def probe(name: str, steps: int, seed: int) -> dict[str, float | None]:
     from policy.hf import build_model
-    from policy.warmup import copy_batch, copy_loss
+    from policy.warmup import CopyWarmup, copy_warmup
 
     model_type, config = MODELS[name]
     model = build_model(model_type, config, vocab_size=768, seed=seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    token_ids_V, generator = torch.arange(4, 768), torch.Generator().manual_seed(seed)
     out: dict[str, float | None] = {"at_50": None, "at_90": None}
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        loss, accuracy = copy_loss(model, *copy_batch(token_ids_V, 32, 32, generator))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step % 50:
-            continue
-        print(f"{name} step {step}: loss {loss.item():.3f}, copy accuracy {accuracy:.1%} "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+
+    def check(step: int, loss: float, accuracy: float) -> None:
+        print(f"{name} step {step}: loss {loss:.3f}, copy accuracy {accuracy:.1%}", flush=True)
         for key, bar in (("at_50", 0.5), ("at_90", 0.9)):
             if out[key] is None and accuracy >= bar:
                 out[key] = step
-        if out["at_90"] is not None:
-            break
-    out["seconds"] = time.perf_counter() - start
+
+    settings = CopyWarmup(steps, seed=seed, done_at=0.9)  # 32 x (32 + gap + 32), lr 2e-3
+    result = copy_warmup(model, range(4, 768), settings, on_check=check)
+    out["seconds"] = result["copy_warmup/seconds"]
     return out
 
 

@@ -59,10 +59,11 @@ def copy_batch(token_ids_V: Tensor, batch: int, length: int, generator: torch.Ge
     return ids_B3N, copyable
 
 
-def copy_loss(model, ids_B2N: Tensor, copyable: Tensor) -> tuple[Tensor, float]:
-    """Cross-entropy over the copyable next tokens -> (loss, their greedy accuracy)."""
-    logits = model(input_ids=ids_B2N).logits[:, :-1]  # [B, 2N - 1, V]
-    targets = ids_B2N[:, 1:]
+def copy_loss(model, ids_BT: Tensor, copyable: Tensor) -> tuple[Tensor, float]:
+    """Cross-entropy over the copyable next tokens (`copy_batch`'s ids [B, T] and mask
+    [B, T - 1]) -> (loss, their greedy accuracy)."""
+    logits = model(input_ids=ids_BT).logits[:, :-1]  # [B, T - 1, V]
+    targets = ids_BT[:, 1:]
     chosen_logits, chosen_targets = logits[copyable], targets[copyable]
     loss = torch.nn.functional.cross_entropy(chosen_logits.float(), chosen_targets)
     accuracy = (chosen_logits.argmax(-1) == chosen_targets).float().mean().item()
@@ -76,12 +77,14 @@ def copy_warmup(
     *,
     progress: Callable[[str], None] | None = None,
     every_s: float = 30.0,
+    on_check: Callable[[int, float, float], None] | None = None,
 ) -> dict[str, float]:
     """Train `model` (a causal LM, in place, on its own device) on copy sequences for up to
     `settings.steps` steps, until a step's batch is copied at `settings.done_at` ->
     {"copy_warmup/accuracy": greedy copy accuracy on a fresh batch after training (chance:
     1 / len(token_ids)), "copy_warmup/loss", "copy_warmup/steps", "copy_warmup/seconds"}.
-    `progress` gets a line every `every_s` seconds."""
+    `progress` gets a line every `every_s` seconds; `on_check(step, loss, accuracy)` is called
+    at every check (each `settings.check_every` steps)."""
     device = next(model.parameters()).device
     token_ids_V = torch.tensor(list(token_ids), dtype=torch.long)
     generator = torch.Generator().manual_seed(settings.seed)
@@ -101,7 +104,11 @@ def copy_warmup(
                 f"copy warm-up: step {step}/{settings.steps}, loss {loss.item():.3f}, "
                 f"copy accuracy {accuracy:.1%} ({shown - start:.0f} s)"
             )
-        if step % settings.check_every == 0 and accuracy >= settings.done_at:
+        if step % settings.check_every:
+            continue
+        if on_check is not None:
+            on_check(step, loss.item(), accuracy)
+        if accuracy >= settings.done_at:
             break
     model.eval()
     with torch.no_grad():
