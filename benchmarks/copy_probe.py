@@ -1,19 +1,23 @@
 """How many steps until a freshly built policy copies from its context: k3-tiny (as
 initialised by default, and with `mla_fan_in_init`) against the template's dense Qwen3, on the
 copy warm-up's task (policy/warmup.py: a random span of 32 tokens, a random gap of 0-31, the
-span again, the loss on the repeat; 32 sequences a step, AdamW lr 2e-3).
+span again, the loss on the repeat; 32 sequences a step, AdamW lr 2e-3), up the warm-up's
+ladder (spans of 8 from 16 tokens, then 16 from 64, then the full task) or, with --no-ladder,
+straight on the full task.
 
     .venv/bin/python benchmarks/copy_probe.py                      # all three, up to 3,000 steps
-    .venv/bin/python benchmarks/copy_probe.py --models qwen3 --steps 1500
+    .venv/bin/python benchmarks/copy_probe.py --models qwen3 --steps 1500 --no-ladder
 
-Every 50 steps: the copy loss and greedy copy accuracy on that step's batch (chance 1 / 764).
-Printed per model: the first step at 50% and at 90% accuracy, and the seconds it took.
+Every 25 steps: the copy loss and greedy copy accuracy on that step's batch (chance 1 / 764 on
+the full task). Printed per model: the first step at 50% and at 90% accuracy on the full task,
+and the seconds it took.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +33,7 @@ MODELS = {
 }  # fmt: skip
 
 
-def probe(name: str, steps: int, seed: int) -> dict[str, float | None]:
+def probe(name: str, steps: int, seed: int, ladder: bool) -> dict[str, float | None]:
     from policy.hf import build_model
     from policy.warmup import CopyWarmup, copy_warmup
 
@@ -37,13 +41,24 @@ def probe(name: str, steps: int, seed: int) -> dict[str, float | None]:
     model = build_model(model_type, config, vocab_size=768, seed=seed)
     out: dict[str, float | None] = {"at_50": None, "at_90": None}
 
+    settings = CopyWarmup(steps, seed=seed, done_at=0.9)  # 32 x (32 + gap + 32), lr 2e-3
+    if not ladder:
+        settings = replace(settings, ladder=())
+    rungs = iter(settings.ladder)
+    rung = next(rungs, None)
+
     def check(step: int, loss: float, accuracy: float) -> None:
-        print(f"{name} step {step}: loss {loss:.3f}, copy accuracy {accuracy:.1%}", flush=True)
+        nonlocal rung
+        task = "full task" if rung is None else f"spans of {rung[1]} from {rung[0]} tokens"
+        print(f"{name} step {step} ({task}): loss {loss:.3f}, copy accuracy {accuracy:.1%}",
+              flush=True)  # fmt: skip
+        if rung is not None:
+            rung = next(rungs, None) if accuracy >= settings.done_at else rung
+            return
         for key, bar in (("at_50", 0.5), ("at_90", 0.9)):
             if out[key] is None and accuracy >= bar:
                 out[key] = step
 
-    settings = CopyWarmup(steps, seed=seed, done_at=0.9)  # 32 x (32 + gap + 32), lr 2e-3
     result = copy_warmup(model, range(4, 768), settings, on_check=check)
     out["seconds"] = result["copy_warmup/seconds"]
     return out
@@ -55,9 +70,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-ladder", action="store_true", help="straight on the full task")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    results = {name: probe(name, args.steps, args.seed) for name in args.models}
+    results = {name: probe(name, args.steps, args.seed, not args.no_ladder) for name in args.models}
     for name, result in results.items():
         print(f"{name}: 50% copy accuracy at step {result['at_50']}, 90% at step "
               f"{result['at_90']} ({result['seconds']:.0f} s)")  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from policy.hf import build_model
@@ -29,7 +31,38 @@ def test_a_copy_batch_repeats_its_span_at_varying_distances_and_marks_the_copies
 def test_the_warm_up_teaches_a_fresh_model_to_copy():
     model = build_model("qwen3", TINY_DENSE, vocab_size=300, seed=0)
     before = copy_warmup(model, range(4, 300), CopyWarmup(0, length=8))
-    after = copy_warmup(model, range(4, 300), CopyWarmup(4000, length=8, done_at=0.9))
+    after = copy_warmup(model, range(4, 300), CopyWarmup(4000, length=8, done_at=0.9, ladder=()))
     assert before["copy_warmup/accuracy"] < 0.05  # chance is 1 / 296
     assert after["copy_warmup/accuracy"] > 0.7  # on a fresh batch, after a batch at 90%
     assert after["copy_warmup/steps"] < 4000  # it ended early, once a batch was copied
+
+
+class _Induction(torch.nn.Module):
+    """A fake causal LM that copies perfectly (predicts what followed the last earlier
+    occurrence of the current token), recording the ids [B, T] it is shown."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.bias, self.seen = vocab, torch.nn.Parameter(torch.zeros(vocab)), []
+
+    def forward(self, input_ids):
+        self.seen.append(input_ids)
+        batch, length = input_ids.shape
+        logits = self.bias.expand(batch, length, self.vocab).clone()
+        for b in range(batch):
+            for t in range(1, length - 1):
+                earlier = (input_ids[b, :t] == input_ids[b, t]).nonzero()
+                if len(earlier):
+                    logits[b, t, input_ids[b, earlier[-1, 0] + 1]] += 100.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_the_ladder_climbs_from_few_tokens_and_short_spans_to_the_full_task():
+    model = _Induction(vocab=300)
+    settings = CopyWarmup(10, batch=4, length=8, ladder=((16, 2), (64, 4)), check_every=1,
+                          done_at=0.5)  # fmt: skip
+    result = copy_warmup(model, range(4, 300), settings)
+    assert result["copy_warmup/rungs"] == 3 and result["copy_warmup/steps"] == 3
+    seen = zip(model.seen, (16, 64, 296), strict=False)  # the last call: the final check
+    rungs = [(int(ids.max()) < 4 + count, ids.shape[1]) for ids, count in seen]
+    assert rungs == [(True, 6), (True, 12), (True, 24)]  # 3 x span length per rung
