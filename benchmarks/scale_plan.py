@@ -371,7 +371,7 @@ def rates_table(result: dict) -> str:
     ]
     rows += [[f"episode token, carried: {k}", mib(v)] for k, v in carry.items()]
     rows += [
-        ["earlier key, as built: all MLA layers' latent concatenations", mib(built["all_layers"])],
+        ["earlier key, as built: what all MLA layers save", mib(built["all_layers"])],
         ["earlier key, as built: one layer's fp32 latent grads", mib(built["one_layer"])],
         ["earlier key, design: one layer's latent + fp32 grads", mib(design["one_layer"])],
         ["LM head, per selected row (one chunk at a time)", mib(rates["head_row_bytes"])],

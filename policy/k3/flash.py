@@ -18,13 +18,19 @@ zero, with zero gradient.
 
 Keys and values are per head ([B, S, H, K], [B, S, H, V]: MLA's naive form) or shared by every
 head ([B, S, K], [B, S, V]: the absorbed form over the latent cache; v may be a slice of k).
-Block math runs in (at least) float32; the output has q's dtype.
+Either may come as a sequence of chunks along S (the same lengths for k and v: the latents of a
+segmented learner's earlier segments, policy/k3/segments.py), attended as if concatenated with
+no copy made: each chunk is cut into its own key blocks (none straddles two chunks) and gets its
+own gradient. Block math runs in (at least) float32; the output has q's dtype.
 
 Letters: B batch, T queries, S keys, H heads, K query/key width, V value width, I query block,
 J key block.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,8 +43,8 @@ BLOCK_K = 512  # keys per block; one block of scores is B * H * BLOCK_Q * BLOCK_
 
 def flash_attention(
     q_BTHK: Tensor,
-    k_BSX: Tensor,
-    v_BSX: Tensor,
+    k_BSX: Tensor | Sequence[Tensor],
+    v_BSX: Tensor | Sequence[Tensor],
     *,
     scale: float,
     offset: int = 0,
@@ -48,23 +54,32 @@ def flash_attention(
 ) -> Tensor:
     """softmax(scale q k^T + causal/key mask) v -> [B, T, H, V] (dtype of q).
 
-    k_BSX is [B, S, K] (shared) or [B, S, H, K]; v_BSX likewise [B, S, V] or [B, S, H, V].
+    k_BSX is [B, S, K] (shared) or [B, S, H, K]; v_BSX likewise [B, S, V] or [B, S, H, V]; or
+    each a sequence of chunks [B, S_i, ...] along S (the same S_i for k and v), read in place.
     offset: position of the first query (keys sit at 0 .. S-1); key_mask_BS: False = padding.
-    Differentiable in q, k and v (recomputing backward, O(T + S) saved).
+    Differentiable in q, k and v, each chunk its own gradient (recomputing backward, O(T + S)
+    saved).
     """
+    ks = (k_BSX,) if isinstance(k_BSX, Tensor) else tuple(k_BSX)
+    vs = (v_BSX,) if isinstance(v_BSX, Tensor) else tuple(v_BSX)
+    sizes = tuple(k.shape[1] for k in ks)
+    assert sizes == tuple(v.shape[1] for v in vs), "k and v chunks of the same lengths"
     if key_mask_BS is not None and bool(key_mask_BS.all()):
         key_mask_BS = None
-    shape = _Shape(offset, block_q, block_k, k_BSX.dim() == 3)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q_BTHK, k_BSX, v_BSX)):
-        return _FlashAttention.apply(q_BTHK, k_BSX, v_BSX, key_mask_BS, scale, shape)
-    return _forward(q_BTHK, k_BSX, v_BSX, key_mask_BS, scale, shape)[0]
+    shape = _Shape(offset, block_q, block_k, ks[0].dim() == 3, sizes)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q_BTHK, *ks, *vs)):
+        return _FlashAttention.apply(key_mask_BS, scale, shape, q_BTHK, *ks, *vs)
+    return _forward(q_BTHK, ks, vs, key_mask_BS, scale, shape)[0]
 
 
 class _Shape:
-    """How the blocks are cut and which einsum layout (shared or per-head keys) applies."""
+    """How the blocks are cut (the key chunks' lengths `sizes`) and which einsum layout (shared
+    or per-head keys) applies."""
 
-    def __init__(self, offset: int, block_q: int, block_k: int, shared: bool) -> None:
-        self.offset, self.block_q, self.block_k = offset, block_q, block_k
+    def __init__(
+        self, offset: int, block_q: int, block_k: int, shared: bool, sizes: tuple[int, ...]
+    ) -> None:
+        self.offset, self.block_q, self.block_k, self.sizes = offset, block_q, block_k, sizes
         ks = "s" if shared else "sh"
         self.qk = f"bthk,b{ks}k->bths"  # scores [B, I, H, J]
         self.pv = f"bths,b{ks}v->bthv"
@@ -73,13 +88,38 @@ class _Shape:
         self.dq = f"bths,b{ks}k->bthk"
         self.dk = f"bths,bthk->b{ks}k"
 
-    def blocks(self, length: int, keys: int):
-        """(t0, t1, [(s0, s1), ...]) per query block; key blocks right of the causal edge of
-        the block's last query are skipped (all of their scores are masked)."""
+    def blocks(self, length: int):
+        """(t0, t1, [_Keys, ...]) per query block; key blocks right of the causal edge of the
+        block's last query are skipped (all of their scores are masked)."""
         for t0 in range(0, length, self.block_q):
             t1 = min(t0 + self.block_q, length)
-            end = min(keys, self.offset + t1)
-            yield t0, t1, [(s0, min(s0 + self.block_k, end)) for s0 in range(0, end, self.block_k)]
+            yield t0, t1, list(self.key_blocks(self.offset + t1))
+
+    def key_blocks(self, end: int):
+        """The key blocks of the keys before `end`, chunk by chunk."""
+        first = 0  # position of the chunk's first key
+        for chunk, size in enumerate(self.sizes):
+            stop = min(size, end - first)  # keys of this chunk before `end`
+            for a in range(0, stop, self.block_k):
+                yield _Keys(chunk, a, min(a + self.block_k, stop), first + a)
+            first += size
+
+
+class _Keys(NamedTuple):
+    """One key block: keys a..b-1 of chunk `chunk`, at positions s0 .. s0 + b - a - 1."""
+
+    chunk: int
+    a: int
+    b: int
+    s0: int
+
+    @property
+    def s1(self) -> int:
+        return self.s0 + self.b - self.a
+
+    def of(self, chunks_BSX) -> Tensor:
+        """The block's slice of its chunk, [B, J, ...]."""
+        return chunks_BSX[self.chunk][:, self.a : self.b]
 
 
 def _blocked(shape: _Shape, key_mask_BS, t0: int, t1: int, s0: int, s1: int, device):
@@ -95,36 +135,37 @@ def _blocked(shape: _Shape, key_mask_BS, t0: int, t1: int, s0: int, s1: int, dev
     return blocked
 
 
-def _scores(shape, q_BIHK, k_BSX, key_mask_BS, t0, t1, s0, s1, scale, acc) -> Tensor:
+def _scores(shape, q_BIHK, ks, key_mask_BS, t0, t1, keys: _Keys, scale, acc) -> Tensor:
     """Masked scaled scores of one block, [B, I, H, J] in the accumulation dtype."""
-    s_BIHJ = torch.einsum(shape.qk, q_BIHK, k_BSX[:, s0:s1].to(acc)) * scale
-    blocked = _blocked(shape, key_mask_BS, t0, t1, s0, s1, q_BIHK.device)
+    s_BIHJ = torch.einsum(shape.qk, q_BIHK, keys.of(ks).to(acc)) * scale
+    blocked = _blocked(shape, key_mask_BS, t0, t1, keys.s0, keys.s1, q_BIHK.device)
     if blocked is not None:
         s_BIHJ = s_BIHJ.masked_fill_(blocked, torch.finfo(acc).min)
     return s_BIHJ
 
 
 @full_precision
-def _forward(q_BTHK, k_BSX, v_BSX, key_mask_BS, scale, shape: _Shape):
-    """-> (o [B, T, H, V] in q's dtype, lse [B, T, H] in acc dtype; +inf for rows seeing no
-    key, so that the recomputed probabilities of those rows are 0 in the backward)."""
+def _forward(q_BTHK, ks, vs, key_mask_BS, scale, shape: _Shape):
+    """ks, vs: the key and value chunks -> (o [B, T, H, V] in q's dtype, lse [B, T, H] in acc
+    dtype; +inf for rows seeing no key, so that the recomputed probabilities of those rows are
+    0 in the backward)."""
     batch, length, heads, _ = q_BTHK.shape
     acc = torch.promote_types(q_BTHK.dtype, torch.float32)
     floor = torch.finfo(acc).min
-    o_BTHV = q_BTHK.new_empty(batch, length, heads, v_BSX.shape[-1])
+    o_BTHV = q_BTHK.new_empty(batch, length, heads, vs[0].shape[-1])
     lse_BTH = torch.empty(batch, length, heads, dtype=acc, device=q_BTHK.device)
-    for t0, t1, key_blocks in shape.blocks(length, k_BSX.shape[1]):
+    for t0, t1, key_blocks in shape.blocks(length):
         q_BIHK = q_BTHK[:, t0:t1].to(acc)
         m_BIH = torch.full(q_BIHK.shape[:3], floor, dtype=acc, device=q_BTHK.device)
         l_BIH = torch.zeros_like(m_BIH)
-        acc_BIHV = q_BIHK.new_zeros(*q_BIHK.shape[:3], v_BSX.shape[-1])
-        for s0, s1 in key_blocks:
-            s_BIHJ = _scores(shape, q_BIHK, k_BSX, key_mask_BS, t0, t1, s0, s1, scale, acc)
+        acc_BIHV = q_BIHK.new_zeros(*q_BIHK.shape[:3], vs[0].shape[-1])
+        for keys in key_blocks:
+            s_BIHJ = _scores(shape, q_BIHK, ks, key_mask_BS, t0, t1, keys, scale, acc)
             m_new_BIH = torch.maximum(m_BIH, s_BIHJ.amax(-1))
             p_BIHJ = torch.exp(s_BIHJ.sub_(m_new_BIH[..., None]))
             alpha_BIH = torch.exp(m_BIH - m_new_BIH)
             l_BIH = l_BIH * alpha_BIH + p_BIHJ.sum(-1)
-            pv_BIHV = torch.einsum(shape.pv, p_BIHJ, v_BSX[:, s0:s1].to(acc))
+            pv_BIHV = torch.einsum(shape.pv, p_BIHJ, keys.of(vs).to(acc))
             acc_BIHV = acc_BIHV.mul_(alpha_BIH[..., None]).add_(pv_BIHV)
             m_BIH = m_new_BIH
         seen_BIH = m_BIH > floor  # False: every key of the row was masked
@@ -134,42 +175,48 @@ def _forward(q_BTHK, k_BSX, v_BSX, key_mask_BS, scale, shape: _Shape):
 
 
 @full_precision
-def _backward(q_BTHK, k_BSX, v_BSX, key_mask_BS, scale, shape, o_BTHV, lse_BTH, do_BTHV):
-    """Recomputing backward -> (dq, dk, dv) in the dtypes of q, k, v."""
+def _backward(q_BTHK, ks, vs, key_mask_BS, scale, shape, o_BTHV, lse_BTH, do_BTHV):
+    """Recomputing backward -> (dq, dk per chunk, dv per chunk) in the dtypes of q, k, v."""
     acc = lse_BTH.dtype
     do_BTHV = do_BTHV.to(acc)
     delta_BTH = (do_BTHV * o_BTHV.to(acc)).sum(-1)
     dq_BTHK = torch.zeros_like(q_BTHK, dtype=acc)
-    dk_BSX = torch.zeros_like(k_BSX, dtype=acc)
-    dv_BSX = torch.zeros_like(v_BSX, dtype=acc)
-    for t0, t1, key_blocks in shape.blocks(q_BTHK.shape[1], k_BSX.shape[1]):
+    dks = [torch.zeros_like(k_BSX, dtype=acc) for k_BSX in ks]
+    dvs = [torch.zeros_like(v_BSX, dtype=acc) for v_BSX in vs]
+    for t0, t1, key_blocks in shape.blocks(q_BTHK.shape[1]):
         q_BIHK, do_BIHV = q_BTHK[:, t0:t1].to(acc), do_BTHV[:, t0:t1]
         lse_BIH1, delta_BIH1 = lse_BTH[:, t0:t1, :, None], delta_BTH[:, t0:t1, :, None]
-        for s0, s1 in key_blocks:
-            s_BIHJ = _scores(shape, q_BIHK, k_BSX, key_mask_BS, t0, t1, s0, s1, scale, acc)
+        for keys in key_blocks:
+            s_BIHJ = _scores(shape, q_BIHK, ks, key_mask_BS, t0, t1, keys, scale, acc)
             p_BIHJ = torch.exp(s_BIHJ.sub_(lse_BIH1))
-            dv_BSX[:, s0:s1] += torch.einsum(shape.dv, p_BIHJ, do_BIHV)
-            dp_BIHJ = torch.einsum(shape.dp, do_BIHV, v_BSX[:, s0:s1].to(acc))
+            keys.of(dvs).add_(torch.einsum(shape.dv, p_BIHJ, do_BIHV))
+            dp_BIHJ = torch.einsum(shape.dp, do_BIHV, keys.of(vs).to(acc))
             ds_BIHJ = p_BIHJ.mul_(dp_BIHJ.sub_(delta_BIH1)).mul_(scale)
-            dq_BTHK[:, t0:t1] += torch.einsum(shape.dq, ds_BIHJ, k_BSX[:, s0:s1].to(acc))
-            dk_BSX[:, s0:s1] += torch.einsum(shape.dk, ds_BIHJ, q_BIHK)
-    return dq_BTHK.to(q_BTHK.dtype), dk_BSX.to(k_BSX.dtype), dv_BSX.to(v_BSX.dtype)
+            dq_BTHK[:, t0:t1] += torch.einsum(shape.dq, ds_BIHJ, keys.of(ks).to(acc))
+            keys.of(dks).add_(torch.einsum(shape.dk, ds_BIHJ, q_BIHK))
+    dks = tuple(dk.to(k.dtype) for dk, k in zip(dks, ks, strict=True))
+    dvs = tuple(dv.to(v.dtype) for dv, v in zip(dvs, vs, strict=True))
+    return dq_BTHK.to(q_BTHK.dtype), dks, dvs
 
 
 class _FlashAttention(torch.autograd.Function):
-    """Saves q, k, v, o and lse (no block intermediates); the backward recomputes the blocks."""
+    """Saves q, the k and v chunks, o and lse (no block intermediates); the backward recomputes
+    the blocks. Inputs: key_mask, scale, shape, q, the k chunks, then the v chunks (each chunk
+    its own argument, so that autograd hands each its own gradient)."""
 
     @staticmethod
-    def forward(ctx, q_BTHK, k_BSX, v_BSX, key_mask_BS, scale, shape):
-        o_BTHV, lse_BTH = _forward(q_BTHK, k_BSX, v_BSX, key_mask_BS, scale, shape)
-        ctx.save_for_backward(q_BTHK, k_BSX, v_BSX, o_BTHV, lse_BTH)
+    def forward(ctx, key_mask_BS, scale, shape: _Shape, q_BTHK, *chunks):
+        ks, vs = chunks[: len(shape.sizes)], chunks[len(shape.sizes) :]
+        o_BTHV, lse_BTH = _forward(q_BTHK, ks, vs, key_mask_BS, scale, shape)
+        ctx.save_for_backward(q_BTHK, *chunks, o_BTHV, lse_BTH)
         ctx.key_mask_BS, ctx.scale, ctx.shape = key_mask_BS, scale, shape
         return o_BTHV
 
     @staticmethod
     def backward(ctx, do_BTHV):
-        q_BTHK, k_BSX, v_BSX, o_BTHV, lse_BTH = ctx.saved_tensors
-        grads = _backward(
-            q_BTHK, k_BSX, v_BSX, ctx.key_mask_BS, ctx.scale, ctx.shape, o_BTHV, lse_BTH, do_BTHV
+        q_BTHK, *chunks, o_BTHV, lse_BTH = ctx.saved_tensors
+        ks, vs = chunks[: len(ctx.shape.sizes)], chunks[len(ctx.shape.sizes) :]
+        dq, dks, dvs = _backward(
+            q_BTHK, ks, vs, ctx.key_mask_BS, ctx.scale, ctx.shape, o_BTHV, lse_BTH, do_BTHV
         )
-        return (*grads, None, None, None)
+        return (None, None, None, dq, *dks, *dvs)

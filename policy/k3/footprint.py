@@ -10,8 +10,9 @@
   layer of each kind the config has (KDA + dense MLP, KDA + MoE, MLA + MoE; plain residual), run
   forward over 64 and 128 tokens (slope = bytes per token, intercept = bytes per call, mostly the
   router's fp32 copy of its weight); MLA's bytes per earlier key (a segment's recomputation
-  attends over its concatenation of the earlier latents: mla.py `choose_form`, absorbed after a
-  cache); AttnRes's bytes per site at the config's own hidden size for each number of sources.
+  attends over the earlier latent chunks in place: mla.py `ChunkedLatents`, absorbed after a
+  cache, `choose_form`); AttnRes's bytes per site at the config's own hidden size for each
+  number of sources.
   A config too large to build (full K3) is probed at widths divided by s (hidden, heads, LoRA
   ranks, experts, expert and dense widths; head dims, top-k and chunk sizes unchanged): bytes
   per token are then a + b/s and per call d/s + e/s^2, fitted at two scales, checked against a
@@ -35,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 from policy.k3.attn_res import attn_res
 from policy.k3.cache import K3Cache
 from policy.k3.configuration import K3Config, count_parameters
-from policy.k3.mla import MLACache
+from policy.k3.mla import ChunkedLatents
 from policy.k3.modeling import K3ForCausalLM
 
 PARAM_KINDS = ("embedding", "lm_head", "norms", "attn_res", "kda", "mla", "dense_mlp",
@@ -274,7 +275,8 @@ def _layer_bytes(model: K3ForCausalLM, tokens: int) -> dict[str, int]:
 
 def _past_key_bytes(model: K3ForCausalLM, past: tuple[int, int], tokens: int = 8) -> float:
     """Saved bytes per earlier key of an MLA layer's forward over `tokens` new tokens after
-    `past` cached latents that need gradients (a segment's recomputation): the slope."""
+    `past` cached latents that need gradients, one chunk as a segment's recomputation has them
+    (segments.py; read in place, not counted): the slope."""
     layer = next(layer for layer in model.model.layers if not layer.is_kda)
     dtype, width = layer.self_attn.o_proj.weight.dtype, layer.self_attn.kv_lora_rank
     width += layer.self_attn.qk_rope_head_dim
@@ -284,7 +286,7 @@ def _past_key_bytes(model: K3ForCausalLM, past: tuple[int, int], tokens: int = 8
         latent = torch.randn(1, keys, width, dtype=dtype, requires_grad=True)
         skip_all = skip | {latent.untyped_storage().data_ptr()}
         x = torch.randn(1, tokens, model.config.hidden_size, dtype=dtype, requires_grad=True)
-        cache = MLACache(latent, torch.ones(1, keys, dtype=torch.bool))
+        cache = ChunkedLatents((latent,), torch.ones(1, keys, dtype=torch.bool))
         with SavedBytes(skip_all) as meter:
             out = layer.self_attn(x, cache=cache)
         sizes.append(sum(meter.by.values()))
@@ -386,7 +388,8 @@ def segment_rates(config: K3Config, dtype=torch.bfloat16, scales=(32, 16), check
             got = probe_rates(config, check, dtype, tokens=(64,))
             want = extrapolate(a, b, check, 64)
             checked = {k: want["raw"][k] / got["raw"][k] - 1 for k in got["raw"] if got["raw"][k]}
-            checked["past_key"] = want["past_key"] / got["past_key"] - 1
+            if got["past_key"]:  # 0 as built: the earlier latents are read in place
+                checked["past_key"] = want["past_key"] / got["past_key"] - 1
     kinds = [layer_kind(config, i) for i in range(config.num_hidden_layers)]
     sites = attn_res_sites(config)
     res = {j: attn_res_bytes(config.hidden_size, j, dtype) for j in set(sites)}
@@ -419,8 +422,8 @@ def learner_carry(
     segments.py through policy/logprobs.py TokenLogprobs) holds while it runs the backward of
     a segment: hidden: the decoder's output [T, D] and its gradient (kept for a value head;
     keep_hidden=False: 0, the LM head runs inside each segment's checkpoint); latents: twice
-    each MLA layer's latents (its chunks, and their concatenation in the recomputed segment or the
-    gradients the chunks gather from later segments); kda_boundaries: the KDA
+    each MLA layer's latents (its chunks, and the gradients the chunks gather from later
+    segments); kda_boundaries: the KDA
     state and conv tails at each segment boundary (per token: / segment); routes: the
     router's choices it returns (int64 [M, T, K]) and, with routing replay, the replayed ones;
     ids: the attention mask (int64), logprob and entropy (fp32), the key mask (bool)."""
@@ -466,17 +469,22 @@ def learner_keys(
 ) -> dict[str, float]:
     """Bytes per earlier key of the MLA layers in the learner's backward. As built (mla.py
     `choose_form`: a later segment attends over the latents, absorbed): `all_layers`, what every
-    MLA layer of the checkpointed segment saves (its concatenation of the earlier latents,
-    measured: segment_rates), plus `one_layer`, the fp32 gradients of the latents and of their
-    c_kv slice in the blockwise backward of one layer at a time ((L + R) * 4).
-    design=True (not built: a preallocated latent buffer read in place, one layer checkpoint at
-    a time): one layer holds the latents (L values) and their fp32 gradients (L + R values)."""
+    MLA layer of the checkpointed segment saves per earlier key beyond the chunks it reads in
+    place (measured: segment_rates; about 0), plus `one_layer`: under a dtype narrower than
+    float32, the fp32 gradients of the latents and of their c_kv slice in the blockwise
+    backward of one layer at a time ((L + R) * 4), cast into the chunks' own gradients; in
+    float32 those buffers are handed to the chunks as their gradients (flash.py returns one per
+    chunk), so they are the carry's latent gradients and add nothing (k3-debug, measured:
+    tests/test_scale_plan.py). design=True (not built: one layer checkpoint at a time, the
+    latents read in place): one layer holds the latents (L values) and their fp32 gradients
+    (L + R values)."""
     latent = config.kv_lora_rank + config.qk_rope_head_dim
     grads = (latent + config.kv_lora_rank) * 4
     if design:
         out = {"all_layers": 0.0, "one_layer": latent * _item(dtype) + grads}
     else:
+        narrower = _item(dtype) < 4
         out = {"all_layers": rates["mla_layers"] * rates["mla_past_per_key_per_layer"],
-               "one_layer": grads}  # fmt: skip
+               "one_layer": grads if narrower else 0.0}  # fmt: skip
     out["total"] = out["all_layers"] + out["one_layer"]
     return out

@@ -16,6 +16,11 @@ cache: `choose_form`). Each has a dense reference (`attend_naive`, `attend_absor
 [B, H, T, S] scores and [B, T, S] mask) and the blockwise online-softmax `attend` (flash.py:
 O(T + S) memory in forward and backward), which `forward` uses unless dense=True.
 
+The cache is one latent tensor (`MLACache`, appended by concatenation) or a tuple of latent
+chunks (`ChunkedLatents`: a segmented learner's earlier segments, segments.py), which the
+absorbed `attend` reads in place, chunk by chunk (flash.py), and only the naive form and the
+dense references concatenate.
+
 Letters:
     B batch, T new tokens, S cached + new tokens (keys), H heads, D hidden size,
     Dn = qk_nope_head_dim, E = qk_rope_head_dim, Q = Dn + E, Dv = v_head_dim,
@@ -54,6 +59,39 @@ class MLACache:
             mask_BT = torch.ones(latent_BTL.shape[:2], dtype=torch.bool, device=latent_BTL.device)
         latent = torch.cat([self.latent, latent_BTL.to(self.latent.dtype)], dim=1)
         return MLACache(latent, torch.cat([self.key_mask, mask_BT.bool()], dim=1))
+
+    @property
+    def chunks(self) -> tuple[Tensor]:
+        """The latents as `attend` takes them: one chunk [B, S, L]."""
+        return (self.latent,)
+
+
+@dataclass
+class ChunkedLatents:
+    """An MLA cache kept as chunks along S, never concatenated into one growing copy.
+
+    chunks: latents [B, S_i, L] in order (segments.py: one per segment, each its own autograd
+    node); key_mask: [B, S] bool over all of them (False = padding).
+    """
+
+    chunks: tuple[Tensor, ...]
+    key_mask: Tensor
+
+    @property
+    def length(self) -> int:
+        return sum(chunk.shape[1] for chunk in self.chunks)
+
+    @property
+    def latent(self) -> Tensor:
+        """[B, S, L], concatenated (a copy): for the dense references and the naive form."""
+        return torch.cat(self.chunks, dim=1)
+
+    def append(self, latent_BTL: Tensor, mask_BT: Tensor | None = None) -> ChunkedLatents:
+        """Return a new cache with the T tokens as one more chunk (mask None = all real)."""
+        if mask_BT is None:
+            mask_BT = torch.ones(latent_BTL.shape[:2], dtype=torch.bool, device=latent_BTL.device)
+        key_mask = torch.cat([self.key_mask, mask_BT.bool()], dim=1)
+        return ChunkedLatents((*self.chunks, latent_BTL), key_mask)
 
 
 class GatedMLA(nn.Module):
@@ -150,7 +188,13 @@ class GatedMLA(nn.Module):
         return torch.einsum("bthr,hvr->bthv", o_lat_BTHR, w_uv_HVR)
 
     def attend(
-        self, q_BTHQ: Tensor, latent_BSL: Tensor, key_mask_BS: Tensor, *, past: int, absorbed: bool
+        self,
+        q_BTHQ: Tensor,
+        latent_BSL: Tensor | tuple[Tensor, ...],
+        key_mask_BS: Tensor,
+        *,
+        past: int,
+        absorbed: bool,
     ) -> Tensor:
         """Fast path: `attend_absorbed` (absorbed) or `attend_naive` by blocks (flash.py), with
         no [B, H, T, S] scores and no [B, T, S] mask; O(T + S) memory in forward and backward.
@@ -158,16 +202,20 @@ class GatedMLA(nn.Module):
         B * H * T * S up to FUSED_MAX_SCORES: SFT and learner batches) go through
         `fused_causal_attention` instead.
 
-        Query i sits at position past + i; key_mask [B, S] False = padding. -> [B, T, H, Dv]
-        (zero for a query that sees no key).
+        latent: [B, S, L] or its chunks [B, S_i, L] along S (ChunkedLatents), which the absorbed
+        form reads in place (the naive form concatenates them). Query i sits at position
+        past + i; key_mask [B, S] False = padding. -> [B, T, H, Dv] (zero for a query that sees
+        no key).
         """
+        chunks = (latent_BSL,) if isinstance(latent_BSL, Tensor) else tuple(latent_BSL)
         blocks = {"scale": self.scaling, "offset": past, "key_mask_BS": key_mask_BS,
                   "block_q": self.block_q, "block_k": self.block_k}  # fmt: skip
         if absorbed:
             q_BTHL, w_uv_HVR = self.absorb(q_BTHQ)
-            c_kv_BSR = latent_BSL[..., : self.kv_lora_rank]
-            o_lat_BTHR = flash_attention(q_BTHL, latent_BSL, c_kv_BSR, **blocks)
+            c_kv = tuple(chunk_BSL[..., : self.kv_lora_rank] for chunk_BSL in chunks)  # [B, S_i, R]
+            o_lat_BTHR = flash_attention(q_BTHL, chunks, c_kv, **blocks)
             return torch.einsum("bthr,hvr->bthv", o_lat_BTHR, w_uv_HVR)
+        latent_BSL = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
         k_BSHQ, v_BSHV = self.expand(latent_BSL)
         if _fits_fused_causal(q_BTHQ, k_BSHQ, key_mask_BS, past, self.fused_max_scores):
             o_BTHV = fused_causal_attention(q_BTHQ, k_BSHQ, v_BSHV, scale=self.scaling)
@@ -191,11 +239,11 @@ class GatedMLA(nn.Module):
         self,
         hidden_BTD: Tensor,
         *,
-        cache: MLACache | None = None,
+        cache: MLACache | ChunkedLatents | None = None,
         mask: Tensor | None = None,
         absorbed: bool | None = None,
         dense: bool = False,
-    ) -> tuple[Tensor, MLACache]:
+    ) -> tuple[Tensor, MLACache | ChunkedLatents]:
         """hidden [B, T, D] -> (out [B, T, D], cache with the T new tokens appended).
 
         mask [B, T] (1 = real token) marks padding among the new tokens; padded keys are never
@@ -219,7 +267,7 @@ class GatedMLA(nn.Module):
             attend = self.attend_absorbed if absorbed else self.attend_naive
             o_BTHV = attend(q_BTHQ, cache.latent, allowed_BTS)
         else:
-            o_BTHV = self.attend(q_BTHQ, cache.latent, cache.key_mask, past=past, absorbed=absorbed)
+            o_BTHV = self.attend(q_BTHQ, cache.chunks, cache.key_mask, past=past, absorbed=absorbed)
         return self.output(o_BTHV, hidden_BTD, mask), cache
 
     def output(self, o_BTHV: Tensor, x_BTD: Tensor, mask_BT: Tensor | None) -> Tensor:
@@ -243,9 +291,9 @@ class GatedMLA(nn.Module):
         hidden_BTD: Tensor,
         positions: list[int],
         *,
-        cache: MLACache | None = None,
+        cache: MLACache | ChunkedLatents | None = None,
         mask: Tensor | None = None,
-    ) -> tuple[Tensor, MLACache]:
+    ) -> tuple[Tensor, MLACache | ChunkedLatents]:
         """`forward`'s output at `positions` only (sorted indices into the T new tokens) ->
         (out [B, U, D], cache with all T new tokens appended). Every token's latent is cached
         (the keys of later queries), but only the U queries attend, each over the keys up to
@@ -264,7 +312,7 @@ class GatedMLA(nn.Module):
         for stop in _run_ends(positions):
             end = past + positions[stop - 1] + 1  # keys up to the run's last query
             o_BRHV = self.attend(
-                q_BUHQ[:, start:stop], cache.latent[:, :end], cache.key_mask[:, :end],
+                q_BUHQ[:, start:stop], _first_keys(cache.chunks, end), cache.key_mask[:, :end],
                 past=past + positions[start], absorbed=True,
             )  # fmt: skip
             outs.append(o_BRHV)
@@ -273,6 +321,17 @@ class GatedMLA(nn.Module):
             torch.cat(outs, dim=1) if outs else q_BUHQ.new_zeros(*q_BUHQ.shape[:3], self.v_head_dim)
         )
         return self.output(o_BUHV, x_BUD, None if mask is None else mask[:, index_U]), cache
+
+
+def _first_keys(chunks: tuple[Tensor, ...], end: int) -> tuple[Tensor, ...]:
+    """The first `end` keys of the latent chunks [B, S_i, L], as views (no copy)."""
+    out, first = [], 0
+    for chunk_BSL in chunks:
+        if first >= end:
+            break
+        out.append(chunk_BSL[:, : end - first])
+        first += chunk_BSL.shape[1]
+    return tuple(out)
 
 
 def _run_ends(positions: list[int]) -> list[int]:

@@ -16,11 +16,13 @@ With gradients enabled each segment is one activation checkpoint (non-reentrant)
 forward only the segment boundaries stay alive (the carry above, the segment's input ids and
 mask, its output hidden states), and the backward recomputes one segment at a time. Peak memory
 is about one segment's activations plus O(T) for the latents and hidden states, instead of all
-T positions' activations. Segment s's recomputation concatenates the earlier latent chunks for
-its attention (a transient O(T) per MLA layer). With a `head` (the LM head and the per-token
-loss terms, policy/logprobs.py `segmented_logprobs`) run inside the checkpoint, a segment's
-output is its per-token logprobs instead of its hidden states, so neither the hidden states
-[B, T, D] nor their gradient outlive their segment.
+T positions' activations. Segment s's MLA layers attend over the earlier latent chunks in place
+(mla.py `ChunkedLatents`: the absorbed form's blockwise attention walks the chunks one key block
+at a time, flash.py, and hands each chunk its own gradient), so no layer copies the O(T)
+latents; only the key-mask chunks (bool) are concatenated, once per segment. With a `head` (the
+LM head and the per-token loss terms, policy/logprobs.py `segmented_logprobs`) run inside the
+checkpoint, a segment's output is its per-token logprobs instead of its hidden states, so
+neither the hidden states [B, T, D] nor their gradient outlive their segment.
 
 On a CPU each segment first hands the C heap's free pages back to the OS (host_memory.py): the
 survivors of every segment would otherwise fragment glibc's heap, whose resident size grew by
@@ -46,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from policy.k3.host_memory import release_free_heap
 from policy.k3.kda import KDACache
-from policy.k3.mla import MLACache
+from policy.k3.mla import ChunkedLatents
 
 
 class SegmentHead(Protocol):
@@ -75,7 +77,8 @@ class Carry(NamedTuple):
 
 class _Latents:
     """Duck-types MLACache's `length` / `append` for GatedMLA: the earlier chunks plus this
-    segment's latent; records the new chunk on the owning SegmentCache."""
+    segment's latent, as a ChunkedLatents (no copy of the latents); records the new chunk on
+    the owning SegmentCache."""
 
     def __init__(self, owner: SegmentCache, layer: int) -> None:
         self.owner, self.layer = owner, layer
@@ -84,12 +87,11 @@ class _Latents:
     def length(self) -> int:
         return sum(chunk.shape[1] for chunk in self.owner.masks_in)
 
-    def append(self, latent_BSL: Tensor, mask_BS: Tensor | None = None) -> MLACache:
+    def append(self, latent_BSL: Tensor, mask_BS: Tensor | None = None) -> ChunkedLatents:
         del mask_BS  # the segment's mask was recorded by `begin` (shared by all MLA layers)
         self.owner.latents_out[self.layer] = latent_BSL
         chunks = (*self.owner.latents_in[self.layer], latent_BSL)
-        masks = (*self.owner.masks_in, self.owner.mask_out)
-        return MLACache(torch.cat(chunks, dim=1), torch.cat(masks, dim=1))
+        return ChunkedLatents(chunks, self.owner.key_mask)
 
 
 class SegmentCache:
@@ -104,10 +106,12 @@ class SegmentCache:
         self.kda_out: list[KDACache | None] = [None] * len(kda_in)
         self.latents_out: list[Tensor | None] = [None] * len(kda_in)
         self.mask_out: Tensor | None = None
+        self.key_mask: Tensor | None = None  # [B, T_earlier + S]: every MLA layer's key mask
 
     def begin(self, mask_BS: Tensor | None, length: int) -> None:
         assert mask_BS is not None and mask_BS.shape[1] == length, "pass the segment's mask"
         self.mask_out = mask_BS.bool()
+        self.key_mask = torch.cat((*self.masks_in, self.mask_out), dim=1)
 
     def commit(self, length: int) -> None:
         del length

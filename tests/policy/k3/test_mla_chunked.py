@@ -1,9 +1,10 @@
 """Blockwise (flash) MLA attention == the dense reference paths, and it never holds a [T, S] tensor.
 
-float64 parity of outputs and gradients (flash_attention alone, GatedMLA.forward, the fused
-prefill of decode.py) with left padding, a cache offset, T and S not multiples of the blocks and
-blocks smaller than T; then deterministic memory measures at T = 2048: the largest tensor autograd
-saves for the backward, and the largest tensor any op creates (forward and backward).
+float64 parity of outputs and gradients (flash_attention alone, also over key chunks;
+GatedMLA.forward, also after a cache of latent chunks; the fused prefill of decode.py) with left
+padding, a cache offset, T and S not multiples of the blocks and blocks smaller than T; then
+deterministic memory measures at T = 2048: the largest tensor autograd saves for the backward,
+and the largest tensor any op creates (forward and backward).
 """
 
 from __future__ import annotations
@@ -78,6 +79,66 @@ def test_flash_attention_without_grad_and_with_a_value_slice_of_the_keys():
         ref = dense_attention(q, k, k[..., :4], scale=0.5, offset=14,
                               key_mask_BS=torch.ones(k.shape[:2], dtype=torch.bool))  # fmt: skip
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("form", ["shared", "per-head", "value slice"])
+def test_flash_attention_over_key_chunks_equals_the_concatenated_keys(form):
+    """Keys and values as chunks along S (uneven: 2, 11, 1 and 37 of the 51 keys, two shorter
+    than a key block of 4) == over their concatenation: the output, and the gradients of q and
+    of every chunk (a value chunk that is a slice of its key chunk, as MLA's c_kv of its
+    latent: both gradients reach the chunk), float64, with padding and an offset of 14."""
+    (q, k, v), key_mask = random_inputs(form != "per-head")
+    sizes = [2, 11, 1, 37]
+    k_chunks = [c.detach().requires_grad_() for c in k.split(sizes, 1)]
+    if form == "value slice":
+        v_chunks, leaves = [c[..., :4] for c in k_chunks], [q, *k_chunks]
+    else:
+        v_chunks = [c.detach().requires_grad_() for c in v.split(sizes, 1)]
+        leaves = [q, *k_chunks, *v_chunks]
+    kwargs = {"scale": 0.3, "offset": 14, "key_mask_BS": key_mask, "block_q": 8, "block_k": 4}
+    out = flash_attention(q, k_chunks, v_chunks, **kwargs)
+    ref = flash_attention(q, torch.cat(k_chunks, 1), torch.cat(v_chunks, 1), **kwargs)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(flash_attention(q, k_chunks, v_chunks, **kwargs), ref)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+    grads = torch.autograd.grad((out * weight).sum(), leaves)
+    refs = torch.autograd.grad((ref * weight).sum(), leaves)
+    for g, r in zip(grads, refs, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["absorbed", "naive", "dense", "at positions"])
+def test_gated_mla_over_latent_chunks_equals_one_latent(mode):
+    """GatedMLA after a cache of latent chunks (ChunkedLatents, a segmented learner's) == after
+    the same latents as one MLACache: outputs and the gradients of the new tokens, of every
+    chunk and of the parameters (float64): the chosen (absorbed) form, naive, the dense
+    reference and `forward_at`."""
+    mla = make_mla(seed=21)
+    mla.block_q, mla.block_k = 4, 7
+    width = mla.kv_lora_rank + mla.qk_rope_head_dim
+    chunks = [hidden(2, n, width, seed=22 + n).requires_grad_() for n in (9, 3, 12)]
+    key_mask = torch.ones(2, 24, dtype=torch.bool)
+    key_mask[1, :10] = False
+    x = hidden(2, 11, 32, seed=25).requires_grad_()
+    caches = (
+        mla_module.ChunkedLatents(tuple(chunks), key_mask),
+        mla_module.MLACache(torch.cat(chunks, 1), key_mask),
+    )
+    results = []
+    for cache in caches:
+        if mode == "at positions":
+            out, _ = mla.forward_at(x, [0, 1, 5, 6, 7, 10], cache=cache)
+        else:
+            kw = {"absorbed": False} if mode == "naive" else {"dense": mode == "dense"}
+            out, _ = mla(x, cache=cache, **kw)
+        weights = hidden(*out.shape, seed=26)
+        leaves = [x, *chunks, *mla.parameters()]
+        results.append((out, torch.autograd.grad((out * weights).sum(), leaves)))
+    (out, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=0)
 
 
 def mla_loss(mla, x_prefix, x_new, mask_prefix, *, absorbed, dense):

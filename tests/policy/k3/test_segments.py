@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from policy.k3.attn_res import attn_res
 from policy.k3.footprint import PeakBytes
@@ -74,6 +75,37 @@ def test_segmented_hidden_and_gradients_equal_unsegmented(segment, replay):
     assert seg_grads.keys() == ref_grads.keys() and len(ref_grads) > 50
     for name, grad in ref_grads.items():
         torch.testing.assert_close(seg_grads[name], grad, rtol=1e-10, atol=1e-10, msg=name)
+
+
+class _LatentConcats(TorchDispatchMode):
+    """Records the shape of every aten.cat output [B, n, width] with n > `longest` tokens."""
+
+    def __init__(self, width: int, longest: int) -> None:
+        super().__init__()
+        self.width, self.longest, self.long, self.short = width, longest, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.cat.default and out.dim() == 3 and out.shape[-1] == self.width:
+            if out.shape[1] > self.longest:
+                self.long.append(tuple(out.shape))
+            else:
+                self.short += 1
+        return out
+
+
+def test_segments_attend_over_the_latent_chunks_without_concatenating_them():
+    """Forward and backward (each segment recomputed) over 120 tokens in segments of 32: no
+    op concatenates latents [B, n, L] over more than one segment's tokens (the earlier
+    segments' chunks are read in place); the probe does see each segment's own latents made
+    by a concatenation ([c_kv | k_rope], 32 tokens at most)."""
+    model = two_mla_model()
+    mla = next(layer.self_attn for layer in model.model.layers if not layer.is_kda)
+    ids_BT, mask_BT = batch(length=120, pad=20)
+    with _LatentConcats(mla.kv_lora_rank + mla.qk_rope_head_dim, 32) as probe:
+        hidden_BTD, _ = segmented_hidden(model.get_decoder(), ids_BT, mask_BT, segment=32)
+        hidden_BTD.square().sum().backward()
+    assert probe.long == [] and probe.short > 0, (probe.long, probe.short)
 
 
 def test_routing_record_and_logprob_path_match():
