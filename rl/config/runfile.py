@@ -198,6 +198,11 @@ class RunConfig(Section):
                     "cannot change the envs of an env.mix (not supported yet); remove it, and "
                     "set each env's kwargs under env.mix",
                 )
+        if self.sft.kwargs_mix and self.env.mix is not None:
+            raise ConfigError(
+                "sft.kwargs_mix",
+                "cannot change the envs of an env.mix; set each env's kwargs under env.mix",
+            )
         return self
 
     @model_validator(mode="after")

@@ -176,9 +176,10 @@ class PolicyConfig(Section):
     copy_warmup_steps: int = Field(0, ge=0)
     """The most steps of copy warm-up for a fresh model, before SFT (policy/warmup.py): random
     token spans repeated, the loss on the repeat, so the policy learns to copy from its context
-    as a pretrained LLM can; it ends early once a batch is copied at 95% (0: no warm-up). A
-    dense Qwen3 learns it in ~100 steps; k3-tiny's copy loss stays at chance for thousands
-    (docs/benchmarks.md "In-context copying")."""
+    as a pretrained LLM can; it climbs a ladder (spans of 8 from 16 tokens, 16 from 64, then 32
+    from the whole vocabulary), each rung until a batch is copied at 95% (0: no warm-up).
+    k3-tiny: 90% on the last rung at step ~925, ~3 min on 2 cores (docs/benchmarks.md
+    "In-context copying"); 1,500-3,000 leaves room."""
 
     @model_validator(mode="after")
     def _k3_preset(self) -> PolicyConfig:
@@ -266,6 +267,15 @@ class RolloutConfig(Section):
         return ask(self.cpus_per_worker, self.resources, self.device)
 
 
+class SFTVariant(Section):
+    """One variant of the env in `sft.kwargs_mix`."""
+
+    share: float = Field(1.0, gt=0)
+    """Weight of this variant among the demonstrations (normalised over the mix)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Env kwargs merged over env.kwargs for this variant's demonstrations."""
+
+
 class SFTConfig(Section):
     """The supervised warm start on the env expert's demonstrations."""
 
@@ -281,6 +291,12 @@ class SFTConfig(Section):
     """SFT learning rate (AdamW)."""
     batch_size: int = Field(16, gt=0)
     """SFT examples per optimizer step."""
+    kwargs_mix: list[SFTVariant] = Field(default_factory=list)
+    """Variants of the env the demonstrations come from, each `{share, kwargs}` (kwargs merged
+    over env.kwargs; the demonstrations split by share): e.g. documents of several lengths, so
+    that the policy has seen the task at the lengths its RL stages ask for. A policy trained
+    on one length answers there, and at 10x the length reads on without answering
+    (docs/benchmarks.md "In-context copying"). Empty: every demonstration from env.kwargs."""
 
 
 class EvalConfig(Section):

@@ -44,6 +44,9 @@ def check_env(cfg: RunConfig) -> None:
         stages = [
             (f"curriculum.{i}.env_kwargs", s.env_kwargs) for i, s in enumerate(cfg.curriculum)
         ]
+        stages += [
+            (f"sft.kwargs_mix.{i}.kwargs", v.kwargs) for i, v in enumerate(cfg.sft.kwargs_mix)
+        ]
         _check_one_env(cfg.env, "env.", [("env.kwargs", {}), *stages])
     if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():
         raise ConfigError("policy.path", f"{cfg.policy.path!r} is not a directory")

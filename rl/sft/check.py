@@ -54,8 +54,9 @@ _TRUNCATED = 0.2  # a larger share of truncated post-SFT episodes is a warning o
 _COPYING = (
     "It predicts {accuracy:.0%} of the demonstrations' tokens, so it is most likely missing "
     "the few it must copy (a name from the question, a tool's result): `agentrl show RUN_DIR "
-    "--worst` shows which. More epochs (sft.epochs) usually teach the copy; a larger policy "
-    "did not in our probes."
+    "--worst` shows which. More epochs (sft.epochs) usually teach a dense policy the copy; a "
+    "fresh K3 policy learns it first from the copy warm-up (policy.copy_warmup_steps: 3000), "
+    "and a larger policy did not in our probes."
 )
 
 

@@ -17,6 +17,7 @@ import gymnasium
 from envs import demonstrate, ensure_registered, make_expert
 from envs.types import DEMO_SEEDS
 from rl.config.runfile import RunConfig
+from rl.config.sections import SFTVariant
 from rollout.demos import render_demonstration
 from rollout.render import ChatRenderer
 
@@ -27,17 +28,34 @@ DEMO_SEED_OFFSET = DEMO_SEEDS  # demonstrations, training and evaluation draw di
 
 
 def expert_demonstrations(cfg: RunConfig, count: int, *, error_rate: float, seed: int):
+    """`count` expert episodes, split over `sft.kwargs_mix` by share (all from env.kwargs when
+    it is empty), each on its own seed."""
     ensure_registered(cfg.env.id, cfg.env.entry_point)  # a run file's env.entry_point
-    env = gymnasium.make(cfg.env.id, **cfg.env.kwargs)
-    expert = make_expert(env, error_rate=error_rate, seed=seed)  # the instance: kwargs may name it
+    variants = cfg.sft.kwargs_mix or [SFTVariant()]
     demos, start, shown = [], time.perf_counter(), time.perf_counter()
-    for i in range(count):
-        demos.append(demonstrate(env, expert, seed=DEMO_SEED_OFFSET + seed * count + i))
-        if time.perf_counter() - shown > PROGRESS_EVERY_S and i + 1 < count:
-            shown = time.perf_counter()
-            logger.info(f"expert demonstrations: {i + 1}/{count} ({shown - start:.0f} s)")
-    env.close()
+    for variant, share in zip(variants, _shares(count, variants), strict=True):
+        env = gymnasium.make(cfg.env.id, **{**cfg.env.kwargs, **variant.kwargs})
+        expert = make_expert(env, error_rate=error_rate, seed=seed)  # kwargs may name it
+        for _ in range(share):
+            demos.append(
+                demonstrate(env, expert, seed=DEMO_SEED_OFFSET + seed * count + len(demos))
+            )
+            if time.perf_counter() - shown > PROGRESS_EVERY_S and len(demos) < count:
+                shown = time.perf_counter()
+                logger.info(f"expert demonstrations: {len(demos)}/{count} ({shown - start:.0f} s)")
+        env.close()
     return demos
+
+
+def _shares(count: int, variants: list[SFTVariant]) -> list[int]:
+    """`count` split by the variants' shares (largest remainders; the counts add up)."""
+    total = sum(v.share for v in variants)
+    exact = [count * v.share / total for v in variants]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])
+    for i in by_remainder[: count - sum(counts)]:
+        counts[i] += 1
+    return counts
 
 
 def sft_examples(renderer: ChatRenderer, demos) -> list[dict[str, list[int]]]:
