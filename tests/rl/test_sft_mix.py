@@ -33,3 +33,14 @@ def test_a_variant_with_a_kwarg_the_env_does_not_take_fails_naming_it():
     cfg = load_config("configs/long_horizon.yaml", ["sft.kwargs_mix=[{kwargs: {doc_tokenz: 3}}]"])
     with pytest.raises(ConfigError, match=r"sft\.kwargs_mix\.0\.kwargs\.doc_tokenz.*doc_tokens"):
         check_env(cfg)
+
+
+def test_a_mix_of_variants_groups_batches_by_length(tmp_path):
+    from trl import SFTConfig
+
+    from rl.sft.warm_start import _sft_args
+
+    mixed = _sft_args(load_config("configs/long_horizon.yaml", [MIX]), tmp_path, 10, SFTConfig)
+    plain = _sft_args(load_config("configs/long_horizon.yaml"), tmp_path, 10, SFTConfig)
+    assert mixed.train_sampling_strategy == "group_by_length"
+    assert plain.train_sampling_strategy == "random"
