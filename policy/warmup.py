@@ -101,8 +101,7 @@ def copy_warmup(
     token_ids_V = torch.tensor(list(token_ids), dtype=torch.long)
     rungs = [(token_ids_V[:count], length) for count, length in settings.ladder]
     rungs.append((token_ids_V, settings.length))
-    run = _Run(model, settings, device)
-    run.progress, run.every_s, run.on_check = progress, every_s, on_check
+    run = _Run(model, settings, device, progress=progress, every_s=every_s, on_check=on_check)
     model.train()
     passed = 0
     for rung_ids_V, length in rungs:
@@ -125,14 +124,14 @@ def copy_warmup(
 class _Run:
     """One warm-up's step count, data stream and progress output."""
 
-    def __init__(self, model, settings: CopyWarmup, device) -> None:
+    def __init__(self, model, settings: CopyWarmup, device, *, progress, every_s, on_check):
         self.model, self.settings, self.device = model, settings, device
+        self.progress: Callable[[str], None] | None = progress
+        self.every_s = every_s
+        self.on_check: Callable[[int, float, float], None] | None = on_check
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.step = 0
         self.start = self.shown = time.perf_counter()
-        self.progress: Callable[[str], None] | None = None
-        self.every_s = 30.0
-        self.on_check: Callable[[int, float, float], None] | None = None
 
     def climb(self, token_ids_V: Tensor, length: int) -> bool:
         """Train on spans of `length` tokens from `token_ids_V` until a checked batch is copied
@@ -149,11 +148,12 @@ class _Run:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            self._report(loss.item(), accuracy, len(token_ids_V), length)
+            value = loss.item()
+            self._report(value, accuracy, len(token_ids_V), length)
             if self.step % settings.check_every:
                 continue
             if self.on_check is not None:
-                self.on_check(self.step, loss.item(), accuracy)
+                self.on_check(self.step, value, accuracy)
             if accuracy >= settings.done_at:
                 return True
         return False
