@@ -3,13 +3,17 @@ time (right after the document holding the chain's last link), at the SFT length
 
     .venv/bin/python benchmarks/sft_probe.py --out runs/probe sft.demonstrations=500 sft.epochs=4
     .venv/bin/python benchmarks/sft_probe.py --out runs/pde-1m --eval-only     # an existing SFT
+    .venv/bin/python benchmarks/sft_probe.py --model runs/X/sft-model --stages \
+        configs/long_curriculum.yaml --tasks 24      # at each curriculum stage, greedy and T=1
 
 SFT (`rl.run.train.warm_start`) runs on `configs/long_horizon.yaml` with the dotted overrides
 given (kept in `--out/sft-model`; skipped with --eval-only); then 50 held-out tasks greedy
 through the run's RolloutWorker at the run file's documents and at `--long` documents
 (1,000 tokens, 3 apart: 8K-token episodes). Printed per setting: success, answered, on time,
 how many episodes wrote a `Chain:` note every turn, and in how many the first note copied the
-question's start entity (`copies`: the plainest copy the task asks for).
+question's start entity (`copies`: the plainest copy the task asks for). `--stages RUNFILE`
+instead evaluates `--model` at each of the run file's curriculum stages (its env kwargs, turns
+and max_seq_len), greedy and sampled at the run file's temperature.
 """
 
 from __future__ import annotations
@@ -28,13 +32,19 @@ LONG = ["env.kwargs.doc_tokens=1000", "env.kwargs.distance=3", "env.kwargs.max_t
 TASKS = range(7_100_000, 7_100_050)  # held out: disjoint from the demonstrations' seeds
 
 
-def evaluate(model_dir: Path, overrides: list[str]) -> dict[str, int]:
+def evaluate(
+    model_dir: Path,
+    overrides: list[str],
+    runfile: Path = ROOT / "configs/long_horizon.yaml",
+    tasks: range = TASKS,
+    greedy: bool = True,
+) -> dict[str, int]:
     from rl.config.runfile import load_config
     from rl.run.build import build_worker, sampling
 
-    cfg = load_config(ROOT / "configs/long_horizon.yaml", overrides)
+    cfg = load_config(runfile, overrides)
     worker = build_worker(cfg, model_dir, None, "probe", 0)
-    trajs = worker.run(list(TASKS), sampling(cfg.rollout, worker.renderer, greedy=True))
+    trajs = worker.run(list(tasks), sampling(cfg.rollout, worker.renderer, greedy=greedy))
     out = {"tasks": len(trajs), "success": 0, "answered": 0, "on_time": 0, "notes": 0, "copies": 0}
     for traj in trajs:
         turns = [m for m in traj.messages if m["role"] == "assistant"]
@@ -60,13 +70,43 @@ def _copies_start(messages: list[dict]) -> bool:
     return bool(found) and f"of {found.group(1)} " in question.replace(".", " ")
 
 
+def stage_overrides(runfile: Path) -> list[tuple[str, list[str]]]:
+    """Each curriculum stage of `runfile` as the overrides that set its env and limits."""
+    from rl.config.runfile import load_config
+
+    out = []
+    for stage in load_config(runfile, []).curriculum:
+        overrides = [f"env.kwargs.{k}={v}" for k, v in stage.env_kwargs.items()]
+        overrides.append(f"rollout.max_seq_len={stage.max_seq_len}")
+        if stage.max_turns is not None:
+            overrides.append(f"rollout.max_turns={stage.max_turns}")
+        out.append((stage.name, overrides))
+    return out
+
+
+def probe_stages(model: Path, runfile: Path, tasks: int) -> None:
+    for name, overrides in stage_overrides(runfile):
+        for greedy in (True, False):
+            counts = evaluate(model, overrides, runfile, TASKS[:tasks], greedy=greedy)
+            print(f"stage {name}, {'greedy' if greedy else 'sampled'}: {counts}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path)
     p.add_argument("--eval-only", action="store_true")
+    p.add_argument("--stages", type=Path, help="a run file: evaluate --model at its stages")
+    p.add_argument("--model", type=Path, help="the model --stages evaluates")
+    p.add_argument("--tasks", type=int, default=len(TASKS), help="held-out tasks per setting")
     p.add_argument("overrides", nargs="*", help="run-file overrides for the SFT")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # progress lines
+    if args.stages is not None:
+        if args.model is None:
+            p.error("--stages needs --model (a saved model directory)")
+        return probe_stages(args.model, args.stages, args.tasks)
+    if args.out is None:
+        p.error("--out is required (the SFT's run directory)")
     if not args.eval_only:
         from rl.config.runfile import load_config
         from rl.run.train import warm_start
