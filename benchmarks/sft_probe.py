@@ -32,17 +32,10 @@ LONG = ["env.kwargs.doc_tokens=1000", "env.kwargs.distance=3", "env.kwargs.max_t
 TASKS = range(7_100_000, 7_100_050)  # held out: disjoint from the demonstrations' seeds
 
 
-def evaluate(
-    model_dir: Path,
-    overrides: list[str],
-    runfile: Path = ROOT / "configs/long_horizon.yaml",
-    tasks: range = TASKS,
-    greedy: bool = True,
-) -> dict[str, int]:
-    from rl.config.runfile import load_config
+def evaluate(model_dir: Path, cfg, tasks: range = TASKS, greedy: bool = True) -> dict[str, int]:
+    """The counts above for `model_dir` on `tasks` under run config `cfg`."""
     from rl.run.build import build_worker, sampling
 
-    cfg = load_config(runfile, overrides)
     worker = build_worker(cfg, model_dir, None, "probe", 0)
     trajs = worker.run(list(tasks), sampling(cfg.rollout, worker.renderer, greedy=greedy))
     out = {"tasks": len(trajs), "success": 0, "answered": 0, "on_time": 0, "notes": 0, "copies": 0}
@@ -70,25 +63,22 @@ def _copies_start(messages: list[dict]) -> bool:
     return bool(found) and f"of {found.group(1)} " in question.replace(".", " ")
 
 
-def stage_overrides(runfile: Path) -> list[tuple[str, list[str]]]:
-    """Each curriculum stage of `runfile` as the overrides that set its env and limits."""
+def long_horizon(overrides: list[str]):
     from rl.config.runfile import load_config
 
-    out = []
-    for stage in load_config(runfile, []).curriculum:
-        overrides = [f"env.kwargs.{k}={v}" for k, v in stage.env_kwargs.items()]
-        overrides.append(f"rollout.max_seq_len={stage.max_seq_len}")
-        if stage.max_turns is not None:
-            overrides.append(f"rollout.max_turns={stage.max_turns}")
-        out.append((stage.name, overrides))
-    return out
+    return load_config(ROOT / "configs/long_horizon.yaml", overrides)
 
 
 def probe_stages(model: Path, runfile: Path, tasks: int) -> None:
-    for name, overrides in stage_overrides(runfile):
+    """`model` at each curriculum stage of `runfile` as the run sees it (`staged`)."""
+    from rl.config.runfile import load_config
+    from rl.run.curriculum import staged
+
+    cfg = load_config(runfile, [])
+    for index, stage in enumerate(cfg.curriculum):
         for greedy in (True, False):
-            counts = evaluate(model, overrides, runfile, TASKS[:tasks], greedy=greedy)
-            print(f"stage {name}, {'greedy' if greedy else 'sampled'}: {counts}", flush=True)
+            counts = evaluate(model, staged(cfg, index), TASKS[:tasks], greedy=greedy)
+            print(f"stage {stage.name}, {'greedy' if greedy else 'sampled'}: {counts}", flush=True)
 
 
 def main() -> None:
@@ -108,14 +98,12 @@ def main() -> None:
     if args.out is None:
         p.error("--out is required (the SFT's run directory)")
     if not args.eval_only:
-        from rl.config.runfile import load_config
         from rl.run.train import warm_start
 
-        _, report = warm_start(load_config(ROOT / "configs/long_horizon.yaml", args.overrides),
-                               args.out)  # fmt: skip
+        _, report = warm_start(long_horizon(args.overrides), args.out)
         print(f"SFT: {report}", flush=True)
     for name, overrides in (("run file's documents", []), ("1,000-token documents", LONG)):
-        print(f"{name}: {evaluate(args.out / 'sft-model', overrides)}", flush=True)
+        print(f"{name}: {evaluate(args.out / 'sft-model', long_horizon(overrides))}", flush=True)
 
 
 if __name__ == "__main__":
