@@ -13,7 +13,10 @@ through the run's RolloutWorker at the run file's documents and at `--long` docu
 how many episodes wrote a `Chain:` note every turn, and in how many the first note copied the
 question's start entity (`copies`: the plainest copy the task asks for). `--stages RUNFILE`
 instead evaluates `--model` at each of the run file's curriculum stages (its env kwargs, turns
-and max_seq_len), greedy and sampled at the run file's temperature.
+and max_seq_len), greedy and sampled at the run file's temperature (`--only 2k`: one stage), and
+first prints the share of random spans the model copies (`sft/copy_accuracy`). Wrong answers
+are split into planted distractors (`decoy`), another entity of the chain, and anything else;
+`answer_in_last_note` counts answers that copy the policy's own last note (the expert's do).
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ def evaluate(model_dir: Path, cfg, tasks: range = TASKS, greedy: bool = True) ->
     worker = build_worker(cfg, model_dir, None, "probe", 0)
     trajs = worker.run(list(tasks), sampling(cfg.rollout, worker.renderer, greedy=greedy))
     out = {"tasks": len(trajs), "success": 0, "answered": 0, "on_time": 0, "notes": 0, "copies": 0}
-    for traj in trajs:
+    out.update(dict.fromkeys(("decoy", "chain_entity", "other", "answer_in_last_note"), 0))
+    kinds = _answer_kinds(cfg, tasks)
+    for traj, kind in zip(trajs, kinds, strict=True):
+        _count_answer(out, traj, kind)
         turns = [m for m in traj.messages if m["role"] == "assistant"]
         calls = [c["function"]["name"] for m in turns for c in m.get("tool_calls") or []]
         outcome = traj.outcome or {}
@@ -52,6 +58,39 @@ def evaluate(model_dir: Path, cfg, tasks: range = TASKS, greedy: bool = True) ->
             evidence = details.get("evidence_docs") or [-2]
             out["on_time"] += details.get("docs_read") == max(evidence) + 1
     return out
+
+
+def _answer_kinds(cfg, tasks: range) -> list[tuple[set[str], set[str]]]:
+    """Per task, the normalised planted distractors of its last link and its chain's entities."""
+    import gymnasium
+
+    from envs.long_horizon import normalize
+
+    env = gymnasium.make(cfg.env.id, **cfg.env.kwargs).unwrapped
+    kinds = []
+    for seed in tasks:
+        env.reset(seed=seed)
+        archive = env.archive
+        kinds.append(
+            ({normalize(x) for x in archive.decoys}, {normalize(x) for x in archive.chain})
+        )
+    return kinds
+
+
+def _count_answer(out: dict[str, int], traj, kind: tuple[set[str], set[str]]) -> None:
+    """A wrong answer as a planted distractor, another entity of the chain, or anything else;
+    and whether the answer copies the last note (the expert's answer always does)."""
+    from envs.long_horizon import normalize
+
+    given = ((traj.outcome or {}).get("details") or {}).get("given")
+    if given is None:
+        return
+    decoys, chain = kind
+    if not traj.success:
+        name = normalize(given)
+        out["decoy" if name in decoys else "chain_entity" if name in chain else "other"] += 1
+    notes = [m.get("content") or "" for m in traj.messages if m["role"] == "assistant"]
+    out["answer_in_last_note"] += bool(notes) and given.strip() in notes[-1]
 
 
 def _copies_start(messages: list[dict]) -> bool:
@@ -69,15 +108,24 @@ def long_horizon(overrides: list[str]):
     return load_config(ROOT / "configs/long_horizon.yaml", overrides)
 
 
-def probe_stages(model: Path, runfile: Path, tasks: int) -> None:
-    """`model` at each curriculum stage of `runfile` as the run sees it (`staged`)."""
+def probe_stages(model: Path, runfile: Path, tasks: int, only: list[str] | None = None) -> None:
+    """`model` at each curriculum stage of `runfile` as the run sees it (`staged`), or at the
+    stages named in `only`; first, the share of random spans it copies (rl/sft/check.py)."""
+    from policy.hf import load_model, load_tokenizer
     from rl.config.runfile import load_config
     from rl.run.curriculum import staged
+    from rl.sft.check import HELDOUT_COPIES, HELDOUT_SEED, token_accuracy
+    from rl.sft.warm_start import rehearsal_examples
 
+    copies = rehearsal_examples(load_tokenizer(model), HELDOUT_COPIES, seed=HELDOUT_SEED)
+    print(f"random spans copied: {token_accuracy(load_model(model), copies):.1%}", flush=True)
     cfg = load_config(runfile, [])
+    seeds = range(TASKS.start, TASKS.start + tasks)  # held out, as TASKS (more than 50 allowed)
     for index, stage in enumerate(cfg.curriculum):
+        if only and stage.name not in only:
+            continue
         for greedy in (True, False):
-            counts = evaluate(model, staged(cfg, index), TASKS[:tasks], greedy=greedy)
+            counts = evaluate(model, staged(cfg, index), seeds, greedy=greedy)
             print(f"stage {stage.name}, {'greedy' if greedy else 'sampled'}: {counts}", flush=True)
 
 
@@ -88,13 +136,14 @@ def main() -> None:
     p.add_argument("--stages", type=Path, help="a run file: evaluate --model at its stages")
     p.add_argument("--model", type=Path, help="the model --stages evaluates")
     p.add_argument("--tasks", type=int, default=len(TASKS), help="held-out tasks per setting")
+    p.add_argument("--only", nargs="*", help="with --stages: just these stages (by name)")
     p.add_argument("overrides", nargs="*", help="run-file overrides for the SFT")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # progress lines
     if args.stages is not None:
         if args.model is None:
             p.error("--stages needs --model (a saved model directory)")
-        return probe_stages(args.model, args.stages, args.tasks)
+        return probe_stages(args.model, args.stages, args.tasks, args.only)
     if args.out is None:
         p.error("--out is required (the SFT's run directory)")
     if not args.eval_only:

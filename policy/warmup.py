@@ -69,6 +69,25 @@ def copy_batch(token_ids_V: Tensor, batch: int, length: int, generator: torch.Ge
     return ids_B3N, copyable
 
 
+def copy_examples(
+    token_ids: Sequence[int], count: int, length: int = 32, *, seed: int = 0
+) -> list[tuple[list[int], list[int]]]:
+    """`count` of `copy_batch`'s sequences as SFT examples: (ids, labels mask) pairs, the mask
+    1 on each token the context determines (the repeat's 2nd token on), in the layout of an
+    SFT example's assistant mask (token t is a target), so that SFT can rehearse copying."""
+    generator = torch.Generator().manual_seed(seed)
+    token_ids_V = torch.tensor(list(token_ids), dtype=torch.long)
+    ids_B3N, copyable = copy_batch(token_ids_V, count, length, generator)
+    targets = torch.nn.functional.pad(copyable, (1, 0))  # [B, 3N]: t predicts t + 1
+    return [(ids, mask) for ids, mask in zip(ids_B3N.tolist(), targets.int().tolist(), strict=True)]
+
+
+def ordinary_token_ids(tokenizer) -> list[int]:
+    """A tokenizer's ids less its special ones (chat markers, padding): what copy tasks use."""
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
 def copy_loss(model, ids_BT: Tensor, copyable: Tensor) -> tuple[Tensor, float]:
     """Cross-entropy over the copyable next tokens (`copy_batch`'s ids [B, T] and mask
     [B, T - 1]) -> (loss, their greedy accuracy)."""

@@ -291,6 +291,12 @@ class SFTConfig(Section):
     """SFT learning rate (AdamW)."""
     batch_size: int = Field(16, gt=0)
     """SFT examples per optimizer step."""
+    copy_rehearsal: float = Field(0.0, ge=0, le=4)
+    """Copy sequences (the copy warm-up's task, policy/warmup.py) added to the SFT examples, as
+    a share of the demonstrations' count, so that SFT keeps the copying that
+    `policy.copy_warmup_steps` taught: on LongHorizon demonstrations alone, k3-tiny's copy
+    accuracy on random spans fell from 94% to 7% (0.25: 84%; docs/benchmarks.md "12-05
+    (later)", where it did not by itself raise held-out success). 0: none."""
     kwargs_mix: list[SFTVariant] = Field(default_factory=list)
     """Variants of the env the demonstrations come from, each `{share, kwargs}` (kwargs merged
     over env.kwargs; the demonstrations split by share): e.g. documents of several lengths, so

@@ -17,7 +17,7 @@ from policy.engines import rollout_policy
 from policy.hf import build_model, load_model, load_tokenizer
 from policy.sampling import SamplingParams
 from policy.tokenizer import build_tokenizer, render_conversations
-from policy.warmup import CopyWarmup, copy_warmup
+from policy.warmup import CopyWarmup, copy_warmup, ordinary_token_ids
 from reward import build_reward
 from rl import faults
 from rl.config.runfile import RolloutConfig, RunConfig
@@ -71,8 +71,7 @@ def prepare_policy(cfg: RunConfig, run_dir: Path) -> Path:
 def warm_up_copying(model, tokenizer, steps: int, *, seed: int) -> dict[str, float]:
     """`copy_warmup` on the tokenizer's ordinary tokens (no special ones), with progress lines;
     warns when the policy still copies less than half the tokens afterwards."""
-    special = set(tokenizer.all_special_ids)
-    ordinary = [i for i in range(len(tokenizer)) if i not in special]
+    ordinary = ordinary_token_ids(tokenizer)
     logger.info(f"copy warm-up: up to {steps} steps on repeated random spans (policy/warmup.py)")
     result = copy_warmup(model, ordinary, CopyWarmup(steps, seed=seed), progress=logger.info)
     logger.info(

@@ -134,7 +134,13 @@ def warm_start(cfg: RunConfig, run_dir: Path) -> tuple[RunState, dict[str, float
     from policy.hf import load_model
     from rl.run.devices import sft_device
     from rl.sft.check import heldout_report
-    from rl.sft.warm_start import expert_demonstrations, release_gpu, run_sft, sft_examples
+    from rl.sft.warm_start import (
+        expert_demonstrations,
+        rehearsal_examples,
+        release_gpu,
+        run_sft,
+        sft_examples,
+    )
 
     tokenizer = _tokenizer(model_dir)
     demos = expert_demonstrations(
@@ -147,6 +153,10 @@ def warm_start(cfg: RunConfig, run_dir: Path) -> tuple[RunState, dict[str, float
     )
     model = load_model(model_dir)
     examples = sft_examples(ChatRenderer(tokenizer), demos)
+    if cfg.sft.copy_rehearsal:
+        copies = round(len(demos) * cfg.sft.copy_rehearsal)
+        examples += rehearsal_examples(tokenizer, copies, seed=cfg.seed)
+        say(f"SFT rehearses copying: {copies} copy sequences among the examples")
     device = sft_device(cfg)
     stats = run_sft(cfg, model, tokenizer, examples, run_dir / "sft", device=device)
     out = run_dir / "sft-model"
@@ -157,7 +167,8 @@ def warm_start(cfg: RunConfig, run_dir: Path) -> tuple[RunState, dict[str, float
         release_gpu(model)
     say(
         f"SFT done in {stats['sft/seconds']:.0f} s (mean loss {stats['sft/loss']:.3f}; token "
-        f"accuracy on held-out demonstrations {report['sft/token_accuracy']:.1%})"
+        f"accuracy on held-out demonstrations {report['sft/token_accuracy']:.1%}; random spans "
+        f"copied {report['sft/copy_accuracy']:.1%})"
     )
     return RunState.start(cfg.seed, out, "sft"), {**stats, **report}
 

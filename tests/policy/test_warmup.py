@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from policy.hf import build_model
-from policy.warmup import CopyWarmup, copy_batch, copy_warmup
+from policy.warmup import CopyWarmup, copy_batch, copy_examples, copy_warmup
 
 TINY_DENSE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}  # fmt: skip
@@ -66,3 +66,17 @@ def test_the_ladder_climbs_from_few_tokens_and_short_spans_to_the_full_task():
     seen = zip(model.seen, (16, 64, 296), strict=False)  # the last call: the final check
     rungs = [(int(ids.max()) < 4 + count, ids.shape[1]) for ids, count in seen]
     assert rungs == [(True, 6), (True, 12), (True, 24)]  # 3 x span length per rung
+
+
+def test_copy_examples_label_exactly_the_tokens_the_context_determines():
+    """SFT's layout (rl/sft): mask[t] = 1 when token t is a target; here the repeat's 2nd token
+    on, each equal to the token one span-plus-gap earlier."""
+    examples = copy_examples(range(10, 60), 16, 8, seed=3)
+    assert len(examples) == 16
+    for ids, mask in examples:
+        assert len(ids) == len(mask) == 24
+        marked = [t for t, m in enumerate(mask) if m]
+        assert len(marked) == 7 and marked == list(range(marked[0], marked[0] + 7))
+        repeat = marked[0] - 1  # the repeat's first token: not determined
+        assert ids[repeat : repeat + 8] == ids[:8] and 8 <= repeat < 16
+    assert copy_examples(range(10, 60), 16, 8, seed=3) == examples  # reproducible

@@ -124,6 +124,7 @@ def test_train_runs_end_to_end(tmp_path):
     assert "evaluation at step 1" in proc.stdout + proc.stderr
     (sft,) = [r for r in records if r["phase"] == "sft"]  # did SFT take? (it cannot, this tiny)
     assert 0 <= sft["sft/token_accuracy"] <= 1 and "sft/tool_call_ok" in sft
+    assert 0 <= sft["sft/copy_accuracy"] <= 1  # random spans copied (the rehearsal's measure)
     assert "SFT did not fit the demonstrations" in proc.stdout + proc.stderr
     trajectories = [
         json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()

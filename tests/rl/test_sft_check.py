@@ -82,3 +82,15 @@ def test_a_policy_that_fits_the_tokens_but_fails_the_tasks_is_told_to_look_at_co
     assert "agentrl show RUN_DIR --worst" in warning and "sft.epochs" in warning
     truncated = diagnose(cfg, dict(report), {"greedy": result(0.0, truncated=0.9)})
     assert not any("must copy" in w for w in truncated)  # cut-off turns get their own warning
+
+
+def test_sft_that_erased_the_warm_ups_copying_is_told_to_rehearse_it():
+    """Measured on k3-tiny (docs/benchmarks.md "12-05 (later)"): after the copy warm-up (94%
+    of random spans copied), SFT on demonstrations alone left 7-10%."""
+    cfg = load_config(None, ["policy.copy_warmup_steps=3000"])
+    report = {"sft/token_accuracy": 0.98, "sft/expert_success": 1.0, "sft/copy_accuracy": 0.1}
+    (warning,) = diagnose(cfg, report, {})
+    assert "copies 10% of random spans" in warning and "sft.copy_rehearsal, now 0" in warning
+    assert diagnose(cfg, {**report, "sft/copy_accuracy": 0.6}, {}) == []
+    no_warmup = load_config(None)  # nothing taught, nothing erased: no warning
+    assert diagnose(no_warmup, dict(report), {}) == []

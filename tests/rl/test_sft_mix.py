@@ -44,3 +44,15 @@ def test_a_mix_of_variants_groups_batches_by_length(tmp_path):
     plain = _sft_args(load_config("configs/long_horizon.yaml"), tmp_path, 10, SFTConfig)
     assert mixed.train_sampling_strategy == "group_by_length"
     assert plain.train_sampling_strategy == "random"
+
+
+def test_copy_rehearsal_examples_use_ordinary_tokens_and_train_only_the_copies():
+    from rl.sft.warm_start import rehearsal_examples
+
+    tokenizer = type("T", (), {"all_special_ids": [0, 1, 2], "__len__": lambda self: 40})()
+    examples = rehearsal_examples(tokenizer, 5, seed=0)
+    assert len(examples) == 5
+    for example in examples:
+        assert set(example) == {"input_ids", "assistant_masks"}
+        assert min(example["input_ids"]) >= 3 and max(example["input_ids"]) < 40
+        assert sum(example["assistant_masks"]) == 31  # the repeat of a 32-token span, less one
