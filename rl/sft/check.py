@@ -41,7 +41,8 @@ def token_accuracy(model, examples: list[dict[str, list[int]]]) -> float:
 
 
 def heldout_report(cfg: RunConfig, model, renderer) -> dict[str, float]:
-    """Token accuracy on held-out expert demonstrations, and the expert's success on them."""
+    """Token accuracy on held-out expert demonstrations, the expert's success on them, and the
+    share of held-out random spans the model copies."""
     from rl.sft.warm_start import expert_demonstrations, rehearsal_examples, sft_examples
 
     demos = expert_demonstrations(cfg, HELDOUT_DEMOS, error_rate=0.0, seed=HELDOUT_SEED)
