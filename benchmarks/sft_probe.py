@@ -45,11 +45,11 @@ def evaluate(model_dir: Path, cfg, tasks: range = TASKS, greedy: bool = True) ->
     out.update(dict.fromkeys(("decoy", "chain_entity", "other", "answer_in_last_note"), 0))
     kinds = _answer_kinds(cfg, tasks)
     for traj, kind in zip(trajs, kinds, strict=True):
-        _count_answer(out, traj, kind)
         turns = [m for m in traj.messages if m["role"] == "assistant"]
         calls = [c["function"]["name"] for m in turns for c in m.get("tool_calls") or []]
         outcome = traj.outcome or {}
         details = outcome.get("details", outcome)
+        _count_answer(out, details.get("given"), traj.success, turns, kind)
         out["success"] += traj.success
         out["notes"] += all((m.get("content") or "").startswith("Chain:") for m in turns)
         out["copies"] += _copies_start(traj.messages)
@@ -77,20 +77,20 @@ def _answer_kinds(cfg, tasks: range) -> list[tuple[set[str], set[str]]]:
     return kinds
 
 
-def _count_answer(out: dict[str, int], traj, kind: tuple[set[str], set[str]]) -> None:
+def _count_answer(
+    out: dict[str, int], given: str | None, success: bool, turns: list[dict], kind
+) -> None:
     """A wrong answer as a planted distractor, another entity of the chain, or anything else;
     and whether the answer copies the last note (the expert's answer always does)."""
     from envs.long_horizon import normalize
 
-    given = ((traj.outcome or {}).get("details") or {}).get("given")
     if given is None:
         return
     decoys, chain = kind
-    if not traj.success:
+    if not success:
         name = normalize(given)
         out["decoy" if name in decoys else "chain_entity" if name in chain else "other"] += 1
-    notes = [m.get("content") or "" for m in traj.messages if m["role"] == "assistant"]
-    out["answer_in_last_note"] += bool(notes) and given.strip() in notes[-1]
+    out["answer_in_last_note"] += bool(turns) and given.strip() in (turns[-1].get("content") or "")
 
 
 def _copies_start(messages: list[dict]) -> bool:
