@@ -1,16 +1,20 @@
 """How many steps until a freshly built policy copies from its context: k3-tiny (as
 initialised by default, and with `mla_fan_in_init`) against the template's dense Qwen3, on the
-copy warm-up's task (policy/warmup.py: a random span of 32 tokens, a random gap of 0-31, the
-span again, the loss on the repeat; 32 sequences a step, AdamW lr 2e-3), up the warm-up's
-ladder (spans of 8 from 16 tokens, then 16 from 64, then the full task) or, with --no-ladder,
-straight on the full task.
+copy warm-up's task (policy/warmup.py: up to `--lead` random tokens, a random span of 32
+tokens, a random gap of 0-31, the span again, the loss on the repeat; 32 sequences a step,
+AdamW lr 2e-3), up the warm-up's ladder (spans of 8 from 16 tokens, then 16 from 64, then the
+full task) or, with --no-ladder, straight on the full task.
 
     .venv/bin/python benchmarks/copy_probe.py                      # all three, up to 3,000 steps
     .venv/bin/python benchmarks/copy_probe.py --models qwen3 --steps 1500 --no-ladder
+    .venv/bin/python benchmarks/copy_probe.py --models k3-tiny --lead 0   # spans at position 0
+    .venv/bin/python benchmarks/copy_probe.py --evaluate RUN_DIR/policy-init  # a saved model
 
 Every 25 steps: the copy loss and greedy copy accuracy on that step's batch (chance 1 / 764 on
 the full task). Printed per model: the first step at 50% and at 90% accuracy on the full task,
-and the seconds it took.
+the seconds it took, and the share of held-out spans copied when they start the sequence
+(lead 0) and when they start anywhere in its first 128 or 512 tokens: a model trained with
+every span at position 0 learns to copy the sequence's start, which no document needs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from policy.warmup import LEAD  # noqa: E402
+
+LEADS = (0, 128, 512)  # where held-out spans may start (copied_from_anywhere)
 MODELS = {
     "k3-tiny": ("agentrl_k3", {"preset": "k3-tiny"}),
     "k3-tiny-fan-in": ("agentrl_k3", {"preset": "k3-tiny", "mla_fan_in_init": True}),
@@ -33,7 +40,7 @@ MODELS = {
 }  # fmt: skip
 
 
-def probe(name: str, steps: int, seed: int, ladder: bool) -> dict[str, float | None]:
+def probe(name: str, steps: int, seed: int, ladder: bool, lead: int) -> dict[str, float | None]:
     from policy.hf import build_model
     from policy.warmup import CopyWarmup, copy_warmup
 
@@ -41,9 +48,8 @@ def probe(name: str, steps: int, seed: int, ladder: bool) -> dict[str, float | N
     model = build_model(model_type, config, vocab_size=768, seed=seed)
     out: dict[str, float | None] = {"at_50": None, "at_90": None}
 
-    settings = CopyWarmup(steps, seed=seed, done_at=0.9)  # 32 x (32 + gap + 32), lr 2e-3
-    if not ladder:
-        settings = replace(settings, ladder=())
+    settings = CopyWarmup(steps, seed=seed, done_at=0.9)  # 32 x (lead + 32 + gap + 32), 2e-3
+    settings = replace(settings, lead=lead, ladder=_ladder(settings.ladder, ladder, lead))
     rungs = iter(settings.ladder)
     rung = next(rungs, None)
 
@@ -61,6 +67,29 @@ def probe(name: str, steps: int, seed: int, ladder: bool) -> dict[str, float | N
 
     result = copy_warmup(model, range(4, 768), settings, on_check=check)
     out["seconds"] = result["copy_warmup/seconds"]
+    out.update(copied_from_anywhere(model, seed))
+    return out
+
+
+def _ladder(default, ladder: bool, lead: int):
+    """The warm-up's ladder, none (--no-ladder), or with every span at position 0 (--lead 0)."""
+    if not ladder:
+        return ()
+    return default if lead else tuple((count, length, 0) for count, length, _ in default)
+
+
+def copied_from_anywhere(model, seed: int, token_ids=range(4, 768)) -> dict[str, float]:
+    """Greedy copy accuracy on 64 held-out sequences of the full task per lead (0: every span
+    at position 0; 128, 512: the span after up to that many random tokens)."""
+    from policy.warmup import copy_batch, copy_loss
+
+    generator = torch.Generator().manual_seed(seed + 10_007)
+    model.eval()
+    out = {}
+    with torch.no_grad():
+        for lead in LEADS:
+            ids, copyable = copy_batch(torch.tensor(list(token_ids)), 64, 32, generator, lead)
+            out[f"lead_{lead}"] = copy_loss(model, ids, copyable)[1]
     return out
 
 
@@ -71,12 +100,39 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-ladder", action="store_true", help="straight on the full task")
+    p.add_argument(
+        "--evaluate",
+        metavar="MODEL_DIR",
+        help="only measure a saved model's copying (e.g. a run's policy-init)",
+    )
+    p.add_argument(
+        "--lead",
+        type=int,
+        default=LEAD,
+        help="most random tokens before the span (0: the span starts every sequence)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    results = {name: probe(name, args.steps, args.seed, not args.no_ladder) for name in args.models}
+    if args.evaluate:
+        return evaluate(args.evaluate, args.seed)
+    results = {name: probe(name, args.steps, args.seed, not args.no_ladder, args.lead)
+               for name in args.models}  # fmt: skip
     for name, result in results.items():
-        print(f"{name}: 50% copy accuracy at step {result['at_50']}, 90% at step "
-              f"{result['at_90']} ({result['seconds']:.0f} s)")  # fmt: skip
+        leads = ", ".join(f"{result[f'lead_{lead}']:.1%} at lead {lead}" for lead in LEADS)
+        print(f"{name} (trained at lead {args.lead}): 50% copy accuracy at step "
+              f"{result['at_50']}, 90% at step {result['at_90']} ({result['seconds']:.0f} s); "
+              f"held-out copies: {leads}")  # fmt: skip
+
+
+def evaluate(model_dir: str, seed: int) -> None:
+    from policy.hf import load_model, load_tokenizer
+    from policy.warmup import ordinary_token_ids
+
+    model = load_model(model_dir)
+    ordinary = ordinary_token_ids(load_tokenizer(model_dir))
+    copied = copied_from_anywhere(model, seed, ordinary)
+    leads = ", ".join(f"{copied[f'lead_{lead}']:.1%} at lead {lead}" for lead in LEADS)
+    print(f"{model_dir}: held-out copies: {leads}")
 
 
 if __name__ == "__main__":

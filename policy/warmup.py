@@ -8,11 +8,13 @@ skill up from those: measured (docs/benchmarks.md "In-context copying"), SFT of 
 3,000 LongHorizon demonstrations (1,125 steps) left it writing invented names in place of the
 question's (0 of 50 first notes copied it).
 
-The warm-up trains on sequences `x y x z` (a random span x of `length` tokens, a random gap y of
-0 .. length - 1 tokens, the span again, random tokens z) with the loss on the repeat only:
-nothing to learn there but copying, at a distance that varies, so that no fixed offset does
-it. Tokens are drawn from `token_ids` (the tokenizer's ordinary tokens: no chat markers), so no
-word or task is taught. Plain torch; the caller saves the model.
+The warm-up trains on sequences `w x y x z` (0 .. `lead` random tokens w, a random span x of
+`length` tokens, a random gap y of 0 .. length - 1 tokens, the span again, random tokens z) with
+the loss on the repeat only: nothing to learn there but copying, at a distance and from a place
+that vary, so that neither a fixed offset nor "copy the sequence's start" does it (the second
+shortcut is what k3-tiny learned while every span started at position 0, and it is of no use
+in a document). Tokens are drawn from `token_ids` (the tokenizer's ordinary tokens: no chat
+markers), so no word or task is taught. Plain torch; the caller saves the model.
 
 It climbs a ladder: first spans of 8 tokens drawn from 16 of them, then 16 from 64, then the
 full task (`CopyWarmup.ladder`), each rung until a batch is copied at `done_at`. Measured
@@ -20,7 +22,10 @@ full task (`CopyWarmup.ladder`), each rung until a batch is copied at `done_at`.
 chance after 4,050 steps; up the ladder it copied 50% of the full task at step 700 and 90% at
 925, in ~3 minutes (the first two rungs take ~525 steps: with few distinct tokens a
 previous-token feature is cheap to learn, and the circuit that uses it carries over to the full
-vocabulary). The dense Qwen3 of the template needs no ladder (straight: 50% at 650).
+vocabulary). The dense Qwen3 of the template needs no ladder (straight: 50% at 650). Those
+figures put every span at position 0; with the lead (docs/benchmarks.md "Copying from
+anywhere") the ladder takes 1,275 steps and the full task reaches 90% at step 2,300 (~21 min),
+and the model copies 86% of spans that start anywhere in the first 512 tokens (the old: 31%).
 
 Letters: B batch, N span length, V vocabulary.
 """
@@ -34,52 +39,65 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+LEAD = 128  # the full task's most random tokens before the span (the warm-up's and SFT's)
+
 
 @dataclass(frozen=True)
 class CopyWarmup:
     """Settings of `copy_warmup`: the most optimizer steps (all rungs together), sequences per
-    step, span length of the full task, AdamW lr, and the copy accuracy on a step's batch that
-    ends a rung (checked every `check_every` steps; above 1: never). `ladder`: the easier rungs
-    before the full task, as (distinct tokens, span length) pairs; () puts the model straight on
-    the full task."""
+    step, span length of the full task, the most random tokens before its span (`lead`), AdamW
+    lr, and the copy accuracy on a step's batch that ends a rung (checked every `check_every`
+    steps; above 1: never). `ladder`: the easier rungs before the full task, as (distinct
+    tokens, span length, lead) triples; () puts the model straight on the full task."""
 
     steps: int
     batch: int = 32
     length: int = 32
+    lead: int = LEAD
     lr: float = 2e-3
     seed: int = 0
     done_at: float = 0.95
     check_every: int = 25
-    ladder: tuple[tuple[int, int], ...] = ((16, 8), (64, 16))
+    ladder: tuple[tuple[int, int, int], ...] = ((16, 8, 56), (64, 16, 96))
 
 
-def copy_batch(token_ids_V: Tensor, batch: int, length: int, generator: torch.Generator):
-    """-> input ids [B, 3N] and the targets' mask [B, 3N - 1]: per row a span of N random tokens,
-    `gap` random tokens (0 <= gap < N, per row), the span again, random tokens to the end; the
-    mask is True where the next token is a copy the context determines (the repeat's 2nd token
-    on). The gap varies the distance between the span and its repeat (N .. 2N - 1), so a fixed
-    offset (a RoPE model's shortcut) does not solve it: only finding the earlier occurrence of
-    the current token and copying what followed it does."""
-    ids_B3N = token_ids_V[torch.randint(len(token_ids_V), (batch, 3 * length), generator=generator)]
-    gap_B = torch.randint(length, (batch,), generator=generator)
-    repeat_BN = length + gap_B[:, None] + torch.arange(length)  # where the span comes again
-    ids_B3N.scatter_(1, repeat_BN, ids_B3N[:, :length])
-    copyable = torch.zeros(batch, 3 * length - 1, dtype=torch.bool)
+def copy_batch(
+    token_ids_V: Tensor, batch: int, length: int, generator: torch.Generator, lead: int = 0
+):
+    """-> input ids [B, L + 3N] (L = `lead`) and the targets' mask [B, L + 3N - 1]: per row
+    0 .. L random tokens, a span of N random tokens, `gap` random tokens (0 <= gap < N, per
+    row), the span again, random tokens to the end; the mask is True where the next token is a
+    copy the context determines (the repeat's 2nd token on). The gap varies the distance
+    between the span and its repeat (N .. 2N - 1), so a fixed offset (a RoPE model's shortcut)
+    does not solve it; the lead varies where the span starts, so "copy from the start of the
+    sequence" does not either (a model warmed up with every span at position 0 copied 95% of
+    such spans and 0% of spans 128 tokens in: docs/benchmarks.md "Copying from anywhere").
+    Only finding the earlier occurrence of the current tokens and copying what followed does."""
+    width = lead + 3 * length
+    ids_BW = token_ids_V[torch.randint(len(token_ids_V), (batch, width), generator=generator)]
+    start_B1 = torch.zeros(batch, 1, dtype=torch.long)  # lead 0: the stream of old runs
+    if lead:
+        start_B1 = torch.randint(lead + 1, (batch, 1), generator=generator)
+    gap_B1 = torch.randint(length, (batch, 1), generator=generator)
+    span_BN = start_B1 + torch.arange(length)
+    repeat_BN = span_BN + length + gap_B1  # where the span comes again
+    ids_BW.scatter_(1, repeat_BN, ids_BW.gather(1, span_BN))
+    copyable = torch.zeros(batch, width - 1, dtype=torch.bool)
     copyable.scatter_(1, repeat_BN[:, :-1], True)  # position t predicts t + 1
-    return ids_B3N, copyable
+    return ids_BW, copyable
 
 
 def copy_examples(
-    token_ids: Sequence[int], count: int, length: int = 32, *, seed: int = 0
+    token_ids: Sequence[int], count: int, length: int = 32, *, seed: int = 0, lead: int = 0
 ) -> list[tuple[list[int], list[int]]]:
     """`count` of `copy_batch`'s sequences as SFT examples: (ids, labels mask) pairs, the mask
     1 on each token the context determines (the repeat's 2nd token on), in the layout of an
     SFT example's assistant mask (token t is a target), so that SFT can rehearse copying."""
     generator = torch.Generator().manual_seed(seed)
     token_ids_V = torch.tensor(list(token_ids), dtype=torch.long)
-    ids_B3N, copyable = copy_batch(token_ids_V, count, length, generator)
-    targets = torch.nn.functional.pad(copyable, (1, 0))  # [B, 3N]: t predicts t + 1
-    return [(ids, mask) for ids, mask in zip(ids_B3N.tolist(), targets.int().tolist(), strict=True)]
+    ids_BW, copyable = copy_batch(token_ids_V, count, length, generator, lead)
+    targets = torch.nn.functional.pad(copyable, (1, 0))  # [B, W]: t predicts t + 1
+    return [(ids, mask) for ids, mask in zip(ids_BW.tolist(), targets.int().tolist(), strict=True)]
 
 
 def ordinary_token_ids(tokenizer) -> list[int]:
@@ -118,18 +136,20 @@ def copy_warmup(
     steps)."""
     device = next(model.parameters()).device
     token_ids_V = torch.tensor(list(token_ids), dtype=torch.long)
-    rungs = [(token_ids_V[:count], length) for count, length in settings.ladder]
-    rungs.append((token_ids_V, settings.length))
+    rungs = [(token_ids_V[:count], length, lead) for count, length, lead in settings.ladder]
+    rungs.append((token_ids_V, settings.length, settings.lead))
     run = _Run(model, settings, device, progress=progress, every_s=every_s, on_check=on_check)
     model.train()
     passed = 0
-    for rung_ids_V, length in rungs:
-        if run.step >= settings.steps or not run.climb(rung_ids_V, length):
+    for rung_ids_V, length, lead in rungs:
+        if run.step >= settings.steps or not run.climb(rung_ids_V, length, lead):
             break
         passed += 1
     model.eval()
     with torch.no_grad():
-        ids, copyable = copy_batch(token_ids_V, settings.batch, settings.length, run.generator)
+        ids, copyable = copy_batch(
+            token_ids_V, settings.batch, settings.length, run.generator, settings.lead
+        )
         loss, accuracy = copy_loss(model, ids.to(device), copyable.to(device))
     return {
         "copy_warmup/accuracy": accuracy,
@@ -152,17 +172,17 @@ class _Run:
         self.step = 0
         self.start = self.shown = time.perf_counter()
 
-    def climb(self, token_ids_V: Tensor, length: int) -> bool:
-        """Train on spans of `length` tokens from `token_ids_V` until a checked batch is copied
-        at done_at (-> True) or the step budget ends (-> False). Each rung starts a fresh
-        AdamW: with the moments carried over (their estimates for the tokens a rung never used
-        are ~0), k3-tiny reached 50% on the full task at step ~1,025, fresh at ~700 (one run
-        each)."""
+    def climb(self, token_ids_V: Tensor, length: int, lead: int) -> bool:
+        """Train on spans of `length` tokens from `token_ids_V` (after 0 .. `lead` others)
+        until a checked batch is copied at done_at (-> True) or the step budget ends
+        (-> False). Each rung starts a fresh AdamW: with the moments carried over (their
+        estimates for the tokens a rung never used are ~0), k3-tiny reached 50% on the full task
+        at step ~1,025, fresh at ~700 (one run each, spans at position 0)."""
         settings = self.settings
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr)
         while self.step < settings.steps:
             self.step += 1
-            ids, copyable = copy_batch(token_ids_V, settings.batch, length, self.generator)
+            ids, copyable = copy_batch(token_ids_V, settings.batch, length, self.generator, lead)
             loss, accuracy = copy_loss(self.model, ids.to(self.device), copyable.to(self.device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -175,11 +175,12 @@ class PolicyConfig(Section):
     """Expert episodes rendered as the tokenizer's training text (fresh models only)."""
     copy_warmup_steps: int = Field(0, ge=0)
     """The most steps of copy warm-up for a fresh model, before SFT (policy/warmup.py): random
-    token spans repeated, the loss on the repeat, so the policy learns to copy from its context
-    as a pretrained LLM can; it climbs a ladder (spans of 8 from 16 tokens, 16 from 64, then 32
-    from the whole vocabulary), each rung until a batch is copied at 95% (0: no warm-up).
-    k3-tiny: 90% on the last rung at step ~925, ~3 min on 2 cores (docs/benchmarks.md
-    "In-context copying"); 1,500-3,000 leaves room."""
+    token spans repeated, anywhere in the sequence, the loss on the repeat, so the policy learns
+    to copy from its context as a pretrained LLM can; it climbs a ladder (spans of 8 from 16
+    tokens, 16 from 64, then 32 from the whole vocabulary after up to 128 others), each rung
+    until a batch is copied at 95% (0: no warm-up). k3-tiny: 90% on the last rung at step
+    ~2,300, ~21 min on 2 cores (docs/benchmarks.md "Copying from anywhere"); 3,000 leaves
+    room."""
 
     @model_validator(mode="after")
     def _k3_preset(self) -> PolicyConfig:

@@ -87,8 +87,8 @@ def diagnose(cfg: RunConfig, report: dict[str, float], evals: dict[str, EvalResu
         warnings.append(
             f"SFT erased the copying the warm-up taught: the SFT model copies {copied:.0%} of "
             f"random spans. Mix copy sequences into SFT (sft.copy_rehearsal, now "
-            f"{cfg.sft.copy_rehearsal:g}; 0.25 kept k3-tiny at 84% where 0 left 7%), and compare "
-            "held-out success with and without it."
+            f"{cfg.sft.copy_rehearsal:g}; 0.25 kept k3-tiny at 84% where 0 left 7%, spans at "
+            "the sequence's start), and compare held-out success with and without it."
         )
     if greedy is None:
         return warnings

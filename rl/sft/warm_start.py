@@ -16,7 +16,7 @@ import gymnasium
 
 from envs import demonstrate, ensure_registered, make_expert
 from envs.types import DEMO_SEEDS
-from policy.warmup import copy_examples, ordinary_token_ids
+from policy.warmup import LEAD, copy_examples, ordinary_token_ids
 from rl.config.runfile import RunConfig
 from rl.config.sections import SFTVariant
 from rollout.demos import render_demonstration
@@ -69,8 +69,9 @@ def sft_examples(renderer: ChatRenderer, demos) -> list[dict[str, list[int]]]:
 
 def rehearsal_examples(tokenizer, count: int, *, seed: int) -> list[dict[str, list[int]]]:
     """`count` copy sequences (`policy.warmup.copy_examples` on the tokenizer's ordinary
-    tokens) in `sft_examples`' layout: only the copied tokens are trained."""
-    pairs = copy_examples(ordinary_token_ids(tokenizer), count, seed=seed)
+    tokens, each span after 0 .. `LEAD` random tokens, as in the warm-up's full task) in
+    `sft_examples`' layout: only the copied tokens are trained."""
+    pairs = copy_examples(ordinary_token_ids(tokenizer), count, seed=seed, lead=LEAD)
     return [{"input_ids": ids, "assistant_masks": mask} for ids, mask in pairs]
 
 

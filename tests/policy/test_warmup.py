@@ -28,10 +28,38 @@ def test_a_copy_batch_repeats_its_span_at_varying_distances_and_marks_the_copies
     assert len(starts) > 4  # the distance varies
 
 
+def test_a_lead_moves_the_span_so_no_fixed_start_finds_it():
+    """Spans at position 0 taught k3-tiny to copy the sequence's start, 0% of spans 128
+    tokens in (docs/benchmarks.md "Copying from anywhere"): with a lead they start anywhere in
+    0 .. lead, and the repeat still copies its own span."""
+    token_ids = torch.arange(10, 60)
+    ids, copyable = copy_batch(token_ids, 64, 8, torch.Generator().manual_seed(0), lead=40)
+    assert ids.shape == (64, 64) and copyable.shape == (64, 63)
+    starts = set()
+    for row, mask in zip(ids, copyable, strict=True):
+        marked = mask.nonzero().flatten().tolist()
+        repeat = marked[0]
+        assert marked == list(range(repeat, repeat + 7))
+        span = [
+            s
+            for s in range(0, 41)
+            if 8 <= repeat - s < 16 and torch.equal(row[s : s + 8], row[repeat : repeat + 8])
+        ]
+        assert span, "the repeat copies a span 8-15 tokens before it"
+        starts.add(min(span))
+    assert len(starts) > 20 and max(starts) > 30  # spread over the lead
+    unled = copy_batch(token_ids, 64, 8, torch.Generator().manual_seed(0))[0]
+    assert torch.equal(
+        unled, copy_batch(token_ids, 64, 8, torch.Generator().manual_seed(0), lead=0)[0]
+    )
+
+
 def test_the_warm_up_teaches_a_fresh_model_to_copy():
     model = build_model("qwen3", TINY_DENSE, vocab_size=300, seed=0)
     before = copy_warmup(model, range(4, 300), CopyWarmup(0, length=8))
-    after = copy_warmup(model, range(4, 300), CopyWarmup(4000, length=8, done_at=0.9, ladder=()))
+    after = copy_warmup(
+        model, range(4, 300), CopyWarmup(4000, length=8, lead=16, done_at=0.9, ladder=())
+    )
     assert before["copy_warmup/accuracy"] < 0.05  # chance is 1 / 296
     assert after["copy_warmup/accuracy"] > 0.7  # on a fresh batch, after a batch at 90%
     assert after["copy_warmup/steps"] < 4000  # it ended early, once a batch was copied
@@ -59,13 +87,13 @@ class _Induction(torch.nn.Module):
 
 def test_the_ladder_climbs_from_few_tokens_and_short_spans_to_the_full_task():
     model = _Induction(vocab=300)
-    settings = CopyWarmup(10, batch=4, length=8, ladder=((16, 2), (64, 4)), check_every=1,
-                          done_at=0.5)  # fmt: skip
+    settings = CopyWarmup(10, batch=4, length=8, lead=5, ladder=((16, 2, 1), (64, 4, 3)),
+                          check_every=1, done_at=0.5)  # fmt: skip
     result = copy_warmup(model, range(4, 300), settings)
     assert result["copy_warmup/rungs"] == 3 and result["copy_warmup/steps"] == 3
     seen = zip(model.seen, (16, 64, 296), strict=False)  # the last call: the final check
     rungs = [(int(ids.max()) < 4 + count, ids.shape[1]) for ids, count in seen]
-    assert rungs == [(True, 6), (True, 12), (True, 24)]  # 3 x span length per rung
+    assert rungs == [(True, 7), (True, 15), (True, 29)]  # lead + 3 x span length per rung
 
 
 def test_copy_examples_label_exactly_the_tokens_the_context_determines():
