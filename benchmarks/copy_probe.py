@@ -118,10 +118,9 @@ def main() -> None:
     results = {name: probe(name, args.steps, args.seed, not args.no_ladder, args.lead)
                for name in args.models}  # fmt: skip
     for name, result in results.items():
-        leads = ", ".join(f"{result[f'lead_{lead}']:.1%} at lead {lead}" for lead in LEADS)
         print(f"{name} (trained at lead {args.lead}): 50% copy accuracy at step "
               f"{result['at_50']}, 90% at step {result['at_90']} ({result['seconds']:.0f} s); "
-              f"held-out copies: {leads}")  # fmt: skip
+              f"held-out copies: {_by_lead(result)}")  # fmt: skip
 
 
 def evaluate(model_dir: str, seed: int) -> None:
@@ -131,8 +130,11 @@ def evaluate(model_dir: str, seed: int) -> None:
     model = load_model(model_dir)
     ordinary = ordinary_token_ids(load_tokenizer(model_dir))
     copied = copied_from_anywhere(model, seed, ordinary)
-    leads = ", ".join(f"{copied[f'lead_{lead}']:.1%} at lead {lead}" for lead in LEADS)
-    print(f"{model_dir}: held-out copies: {leads}")
+    print(f"{model_dir}: held-out copies: {_by_lead(copied)}")
+
+
+def _by_lead(copied) -> str:
+    return ", ".join(f"{copied[f'lead_{lead}']:.1%} at lead {lead}" for lead in LEADS)
 
 
 if __name__ == "__main__":
