@@ -47,8 +47,12 @@ class CopyWarmup:
     """Settings of `copy_warmup`: the most optimizer steps (all rungs together), sequences per
     step, span length of the full task, the most random tokens before its span (`lead`), AdamW
     lr, and the copy accuracy on a step's batch that ends a rung (checked every `check_every`
-    steps; above 1: never). `ladder`: the easier rungs before the full task, as (distinct
-    tokens, span length, lead) triples; () puts the model straight on the full task."""
+    steps; above 1: never; 90%: with a lead, a rung of 16 distinct tokens holds the same token
+    several times, the copy is ambiguous, and k3-tiny stayed at ~94% on it for 1,900 steps).
+    `ladder`: the easier rungs before the full task, as (distinct tokens, span length, lead)
+    triples; () puts the model straight on the full task. Rungs without a lead do not prepare
+    the full task's: k3-tiny then sat at chance on it for 450 steps (their spans at position 0
+    teach the shortcut the lead removes)."""
 
     steps: int
     batch: int = 32
@@ -56,7 +60,7 @@ class CopyWarmup:
     lead: int = LEAD
     lr: float = 2e-3
     seed: int = 0
-    done_at: float = 0.95
+    done_at: float = 0.9
     check_every: int = 25
     ladder: tuple[tuple[int, int, int], ...] = ((16, 8, 56), (64, 16, 96))
 

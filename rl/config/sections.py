@@ -178,7 +178,7 @@ class PolicyConfig(Section):
     token spans repeated, anywhere in the sequence, the loss on the repeat, so the policy learns
     to copy from its context as a pretrained LLM can; it climbs a ladder (spans of 8 from 16
     tokens, 16 from 64, then 32 from the whole vocabulary after up to 128 others), each rung
-    until a batch is copied at 95% (0: no warm-up). k3-tiny: 90% on the last rung at step
+    until a batch is copied at 90% (0: no warm-up). k3-tiny: 90% on the last rung at step
     ~2,300, ~21 min on 2 cores (docs/benchmarks.md "Copying from anywhere"); 3,000 leaves
     room."""
 
