@@ -27,7 +27,7 @@ figures put every span at position 0; with the lead (docs/benchmarks.md "Copying
 anywhere") the ladder takes 1,275 steps and the full task reaches 90% at step 2,300 (~21 min),
 and the model copies 86% of spans that start anywhere in the first 512 tokens (the old: 31%).
 
-Letters: B batch, N span length, V vocabulary.
+Letters: B batch, N span length, V vocabulary, W sequence width (lead + 3N).
 """
 
 from __future__ import annotations
