@@ -84,11 +84,12 @@ def copied_from_anywhere(model, seed: int, token_ids=range(4, 768)) -> dict[str,
     from policy.warmup import copy_batch, copy_loss
 
     generator = torch.Generator().manual_seed(seed + 10_007)
+    token_ids_V = torch.tensor(list(token_ids))
     model.eval()
     out = {}
     with torch.no_grad():
         for lead in LEADS:
-            ids, copyable = copy_batch(torch.tensor(list(token_ids)), 64, 32, generator, lead)
+            ids, copyable = copy_batch(token_ids_V, 64, 32, generator, lead)
             out[f"lead_{lead}"] = copy_loss(model, ids, copyable)[1]
     return out
 
