@@ -11,7 +11,9 @@ given (kept in `--out/sft-model`; skipped with --eval-only); then 50 held-out ta
 through the run's RolloutWorker at the run file's documents and at `--long` documents
 (1,000 tokens, 3 apart: 8K-token episodes). Printed per setting: success, answered, on time,
 how many episodes wrote a `Chain:` note every turn, and in how many the first note copied the
-question's start entity (`copies`: the plainest copy the task asks for). `--stages RUNFILE`
+question's start entity (`copies`: the plainest copy the task asks for); `founder`: episodes
+whose notes name the chain's first link whole, `founder_surname`: its surname (a near miss
+shares it). `--stages RUNFILE`
 instead evaluates `--model` at each of the run file's curriculum stages (its env kwargs, turns
 and max_seq_len), greedy and sampled at the run file's temperature (`--only 2k`: one stage), and
 first prints the share of random spans the model copies (`sft/copy_accuracy`). Wrong answers
@@ -43,6 +45,7 @@ def evaluate(model_dir: Path, cfg, tasks: range = TASKS, greedy: bool = True) ->
     trajs = worker.run(list(tasks), sampling(cfg.rollout, worker.renderer, greedy=greedy))
     out = {"tasks": len(trajs), "success": 0, "answered": 0, "on_time": 0, "notes": 0, "copies": 0}
     out.update(dict.fromkeys(("decoy", "chain_entity", "other", "answer_in_last_note"), 0))
+    out.update(dict.fromkeys(("founder", "founder_surname"), 0))
     kinds = _answer_kinds(cfg, tasks)
     for traj, kind in zip(trajs, kinds, strict=True):
         turns = [m for m in traj.messages if m["role"] == "assistant"]
@@ -53,6 +56,7 @@ def evaluate(model_dir: Path, cfg, tasks: range = TASKS, greedy: bool = True) ->
         out["success"] += traj.success
         out["notes"] += all((m.get("content") or "").startswith("Chain:") for m in turns)
         out["copies"] += _copies_start(traj.messages)
+        _count_founder(out, turns, kind[2])
         if calls and calls[-1] == "answer":
             out["answered"] += 1
             evidence = details.get("evidence_docs") or [-2]
@@ -71,9 +75,8 @@ def _answer_kinds(cfg, tasks: range) -> list[tuple[set[str], set[str]]]:
     for seed in tasks:
         env.reset(seed=seed)
         archive = env.archive
-        kinds.append(
-            ({normalize(x) for x in archive.decoys}, {normalize(x) for x in archive.chain})
-        )
+        decoys, chain = archive.decoys, archive.chain
+        kinds.append(({normalize(x) for x in decoys}, {normalize(x) for x in chain}, chain))
     return kinds
 
 
@@ -86,11 +89,19 @@ def _count_answer(
 
     if given is None:
         return
-    decoys, chain = kind
+    decoys, chain, _ = kind
     if not success:
         name = normalize(given)
         out["decoy" if name in decoys else "chain_entity" if name in chain else "other"] += 1
     out["answer_in_last_note"] += bool(turns) and given.strip() in (turns[-1].get("content") or "")
+
+
+def _count_founder(out: dict[str, int], turns: list[dict], chain: list[str]) -> None:
+    """Whether a note names the chain's first link (the founder) whole, and its surname: the
+    near misses share the surname and differ in the first name (docs/benchmarks.md)."""
+    notes = " ".join(m.get("content") or "" for m in turns)
+    out["founder"] += chain[1] in notes
+    out["founder_surname"] += chain[1].split()[-1] in notes
 
 
 def _copies_start(messages: list[dict]) -> bool:
