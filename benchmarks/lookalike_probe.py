@@ -6,6 +6,11 @@ four tokens before the name. Copying by the previous token ("by") alone is a gue
 
     .venv/bin/python benchmarks/lookalike_probe.py --model RUN_DIR/policy-init
     .venv/bin/python benchmarks/lookalike_probe.py --model RUN_DIR/policy-init --stems 3
+    .venv/bin/python benchmarks/lookalike_probe.py --build '{"preset": "k3-tiny",
+        "num_attention_heads": 4}'      # another shape: built fresh, copy warm-up first
+    .venv/bin/python benchmarks/lookalike_probe.py --model-type qwen3 --build '{"hidden_size":
+        128, "intermediate_size": 384, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2}'      # the template's dense Qwen3, the peer
 
 The task, in random ordinary tokens (no words): K = 3 facts `p d_i s c_i` in their own slots of
 40 tokens, in random order, then the query `p d_j s c_j` in a last slot; p (2 tokens) and s (the
@@ -16,12 +21,16 @@ loss) so that plain copying is kept. `--stems 1 2 3` climbs a ladder: stem lengt
 decider is right on 80% of the held-out set, then 2, then 3. Every 50 steps, on a fixed held-out
 set (128 sequences at the current stem length, 64 of the warm-up's): the share of deciding
 tokens right (c_j's first: chance 1 / K), of all c_j's tokens (after the first, a plain copy
-under teacher forcing), and of the warm-up's copies.
+under teacher forcing), and of the warm-up's copies. `--build CONFIG` (JSON: a K3 preset and
+field overrides, or a transformers config with `--model-type`) starts from a fresh model of
+that shape instead, on token ids 4-767, after the copy warm-up (policy/warmup.py, up to
+`--warmup-steps`), so shapes can be compared on the skill.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -81,19 +90,35 @@ def heldout(model, token_ids_V: Tensor, stem: int) -> tuple[float, float, float]
     return hit[decider_mask].float().mean().item(), hit[loss_mask].float().mean().item(), copied
 
 
+def _model(args):
+    """The model to probe and its ordinary token ids [V]: loaded, or built and warmed up."""
+    from policy.hf import build_model, load_model, load_tokenizer
+    from policy.warmup import CopyWarmup, copy_warmup, ordinary_token_ids
+
+    if args.model is not None:
+        model = load_model(args.model)
+        return model, torch.tensor(ordinary_token_ids(load_tokenizer(args.model)))
+    model = build_model(args.model_type, args.build, vocab_size=768)
+    token_ids_V = torch.arange(4, 768)
+    result = copy_warmup(model, token_ids_V.tolist(), CopyWarmup(args.warmup_steps), progress=print)
+    print(f"copy warm-up: {result}", flush=True)
+    return model, token_ids_V
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, required=True, help="a saved model (a policy-init)")
+    p.add_argument("--model", type=Path, help="a saved model (a policy-init)")
+    p.add_argument("--build", type=json.loads, help="or: a fresh model of this config (JSON)")
+    p.add_argument("--model-type", default="agentrl_k3", help="with --build")
+    p.add_argument("--warmup-steps", type=int, default=3000, help="with --build")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--mix", type=float, default=1.0, help="weight of the plain-copy loss")
     p.add_argument("--stems", type=int, nargs="+", default=[1, 2, 3], help="the ladder")
     args = p.parse_args()
-    from policy.hf import load_model, load_tokenizer
-    from policy.warmup import ordinary_token_ids
-
-    model = load_model(args.model)
-    token_ids_V = torch.tensor(ordinary_token_ids(load_tokenizer(args.model)))
+    if (args.model is None) == (args.build is None):
+        p.error("give one of --model (a saved model) and --build (a config to build fresh)")
+    model, token_ids_V = _model(args)
     stems = list(args.stems)
     print(f"before (stem {stems[-1]}): {heldout(model, token_ids_V, stems[-1])}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
