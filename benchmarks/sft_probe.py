@@ -13,11 +13,11 @@ through the run's RolloutWorker at the run file's documents and at `--long` docu
 how many episodes wrote a `Chain:` note every turn, and in how many the first note copied the
 question's start entity (`copies`: the plainest copy the task asks for); `founder`: episodes
 whose notes name the chain's first link whole, `founder_surname`: its surname (a near miss
-shares it). `--stages RUNFILE`
-instead evaluates `--model` at each of the run file's curriculum stages (its env kwargs, turns
-and max_seq_len), greedy and sampled at the run file's temperature (`--only 2k`: one stage), and
-first prints the share of random spans the model copies (`sft/copy_accuracy`). Wrong answers
-are split into planted distractors (`decoy`), another entity of the chain, and anything else;
+shares it). `--stages RUNFILE` instead evaluates `--model` at each of the run file's
+curriculum stages (its env kwargs, turns and max_seq_len), greedy and sampled at the run
+file's temperature (`--only 2k`: one stage), and first prints the share of random spans the
+model copies (`sft/copy_accuracy`). Wrong answers are split into planted distractors
+(`decoy`), another entity of the chain, and anything else;
 `answer_in_last_note` counts answers that copy the policy's own last note (the expert's do).
 """
 
@@ -64,8 +64,9 @@ def evaluate(model_dir: Path, cfg, tasks: range = TASKS, greedy: bool = True) ->
     return out
 
 
-def _answer_kinds(cfg, tasks: range) -> list[tuple[set[str], set[str]]]:
-    """Per task, the normalised planted distractors of its last link and its chain's entities."""
+def _answer_kinds(cfg, tasks: range) -> list[tuple[set[str], set[str], list[str]]]:
+    """Per task, the normalised planted distractors of its last link, its chain's entities
+    normalised, and the chain as written."""
     import gymnasium
 
     from envs.long_horizon import normalize
