@@ -10,7 +10,7 @@ four tokens before the name. Copying by the previous token ("by") alone is a gue
         "num_attention_heads": 4}'      # another shape: built fresh, copy warm-up first
     .venv/bin/python benchmarks/lookalike_probe.py --model-type qwen3 --build '{"hidden_size":
         128, "intermediate_size": 384, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2}'      # the template's dense Qwen3, the peer
+        "num_key_value_heads": 2}' --straight  # the template's dense Qwen3, the peer
 
 The task, in random ordinary tokens (no words): K = 3 facts `p d_i s c_i` in their own slots of
 40 tokens, in random order, then the query `p d_j s c_j` in a last slot; p (2 tokens) and s (the
@@ -24,7 +24,9 @@ tokens right (c_j's first: chance 1 / K), of all c_j's tokens (after the first, 
 under teacher forcing), and of the warm-up's copies. `--build CONFIG` (JSON: a K3 preset and
 field overrides, or a transformers config with `--model-type`) starts from a fresh model of
 that shape instead, on token ids 4-767, after the copy warm-up (policy/warmup.py, up to
-`--warmup-steps`), so shapes can be compared on the skill.
+`--warmup-steps`; `--straight`: the full copy task at once, no easier rungs first, which the
+dense peer needs: up the ladder it sat on the first rung for 2,000 steps), so shapes can be
+compared on the skill.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def _model(args):
         return model, torch.tensor(ordinary_token_ids(load_tokenizer(args.model)))
     model = build_model(args.model_type, args.build, vocab_size=768)
     token_ids_V = torch.arange(4, 768)
-    result = copy_warmup(model, token_ids_V.tolist(), CopyWarmup(args.warmup_steps), progress=print)
+    settings = CopyWarmup(args.warmup_steps, ladder=() if args.straight else CopyWarmup.ladder)
+    result = copy_warmup(model, token_ids_V.tolist(), settings, progress=print)
     print(f"copy warm-up: {result}", flush=True)
     return model, token_ids_V
 
@@ -111,6 +114,7 @@ def main() -> None:
     p.add_argument("--build", type=json.loads, help="or: a fresh model of this config (JSON)")
     p.add_argument("--model-type", default="agentrl_k3", help="with --build")
     p.add_argument("--warmup-steps", type=int, default=3000, help="with --build")
+    p.add_argument("--straight", action="store_true", help="with --build: no ladder")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--mix", type=float, default=1.0, help="weight of the plain-copy loss")
