@@ -43,7 +43,10 @@ MODEL = {
 
 def make_batch(model, args):
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, 700, (args.batch, args.prompt), generator=gen)
+    prompts = torch.randint(3, 700, (args.batch // args.group, args.prompt), generator=gen)
+    prompts = prompts.repeat_interleave(args.group, 0)  # a GRPO group's samples share it
+    if args.distinct_prompts:
+        prompts = torch.randint(3, 700, (args.batch, args.prompt), generator=gen)
     completions = torch.randint(3, 700, (args.batch, args.completion), generator=gen)
     rewards = (torch.rand(args.batch, generator=gen) > 0.5).float()
     groups = trajectory_groups(model, prompts, completions, rewards, args.group)
@@ -91,8 +94,9 @@ class Source:
         return len(ids)
 
 
-def ours(model, groups, args):
+def ours(model, groups, args, shared_prefix: bool = True):
     cfg = TrainerConfig(
+        shared_prefix=shared_prefix,
         algorithm="grpo",
         group_size=args.group,
         batch_size=args.batch,
@@ -189,12 +193,20 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--distinct-prompts",
+        action="store_true",
+        help="every row its own prompt (a group's samples share theirs by default, as in GRPO)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     base = build_model("qwen3", MODEL, vocab_size=768, seed=0).eval()
     prompts, completions, rewards, groups = make_batch(base, args)
     runners = {
         "agentrl Learner.step": ours(copy.deepcopy(base), groups, args),
+        "agentrl Learner.step, shared_prefix off": ours(
+            copy.deepcopy(base), groups, args, shared_prefix=False
+        ),
         "TRL GRPOTrainer loss+backward+AdamW": trl(
             copy.deepcopy(base), prompts, completions, rewards, args
         ),

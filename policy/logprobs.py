@@ -15,6 +15,8 @@ import bisect
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from policy.shared_prefix import PrefixPlan, prefix_hidden
+
 HEAD_RECOMPUTE_ELEMENTS = 1 << 24
 """head_logprobs recomputes its chunks in the backward (a checkpoint each; inside a segment's
 checkpoint, nested in it) when the selected rows x vocabulary exceed this many logits."""
@@ -241,6 +243,7 @@ class TokenLogprobs(torch.nn.Module):
         replay_experts=None,
         return_routing: bool = False,
         keep_hidden: bool = True,
+        prefix: PrefixPlan | None = None,
     ):
         """(logprobs [B, T-1], entropy [B, T-1], hidden [B, T, D], routed experts or None).
 
@@ -251,7 +254,16 @@ class TokenLogprobs(torch.nn.Module):
 
         keep_hidden=False (a learner without a value head): hidden may come back None, and a
         segmented forward then runs the LM head inside each segment's checkpoint, so that no
-        position's hidden state (nor its gradient) outlives its segment."""
+        position's hidden state (nor its gradient) outlives its segment.
+
+        prefix (policy/shared_prefix.py, keep_hidden=False, no segments or context ranks): the
+        rows' common prefix runs once per distinct prefix; logprobs and entropy are 0 at its
+        positions (which the plan leaves unselected)."""
+        if prefix is not None:
+            return self._prefix_forward(
+                input_ids_BT, attention_mask_BT, temperature, select_BT, replay_experts,
+                return_routing, prefix,
+            )  # fmt: skip
         if self.context is not None:
             return self._context_forward(
                 input_ids_BT, attention_mask_BT, temperature, select_BT, replay_experts
@@ -279,6 +291,26 @@ class TokenLogprobs(torch.nn.Module):
             select_BT=select_BT,
         )
         return logp_BT, entropy_BT, hidden_BTD, routed if return_routing else None
+
+    def _prefix_forward(self, input_ids_BT, attention_mask_BT, temperature, select_BT, replay,
+                        return_routing, plan):  # fmt: skip
+        """forward's result with the shared prefix run once (hidden None)."""
+        hidden_BSD, routed = prefix_hidden(
+            self.policy, input_ids_BT, attention_mask_BT, plan, replay_experts=replay,
+            return_routing=return_routing,
+        )  # fmt: skip
+        p = plan.length
+        logp_BS, entropy_BS = head_logprobs(
+            self.policy,
+            hidden_BSD[:, :-1],
+            input_ids_BT[:, p + 1 :],
+            temperature=temperature,
+            select_BT=None if select_BT is None else select_BT[:, p:],
+        )
+        before = (p, 0)  # the prefix's positions: 0 (unselected)
+        logp_BT = torch.nn.functional.pad(logp_BS, before)
+        entropy_BT = torch.nn.functional.pad(entropy_BS, before)
+        return logp_BT, entropy_BT, None, routed if return_routing else None
 
     def _context_forward(self, input_ids_BT, attention_mask_BT, temperature, select_BT, replay):
         """This rank's shard [a, b) through the decoder (the carry relayed from the ranks

@@ -392,15 +392,18 @@ class RouterStats:
         self._loads: dict[str, torch.Tensor] = {}
 
     @contextlib.contextmanager
-    def record(self, token_mask: torch.Tensor | None = None) -> Iterator[None]:
+    def record(self, token_mask: torch.Tensor | list[torch.Tensor] | None = None) -> Iterator[None]:
         """Record every router call inside the block; `token_mask` [B, T] (or any shape that
         flattens to the routers' tokens; True = counts) drops padding. A forward that routes
         the T positions in several calls along T (segments of S positions, B*S tokens each:
         policy/k3/segments.py) takes the mask's columns in order, one call after another; a
         call with fewer real tokens than experts / top_k (say a segment of padding) counts for
-        the loads but gives no QB candidate."""
+        the loads but gives no QB candidate. A list of masks: one per router call, in order
+        (a shared prompt's [U, P], then the rows' own [B, S]: policy/shared_prefix.py)."""
         mask_BT = None
-        if token_mask is not None:
+        if isinstance(token_mask, list):
+            mask_BT = [mask.bool() for mask in token_mask]
+        elif token_mask is not None:
             rows = token_mask.shape[0] if token_mask.dim() > 1 else 1
             mask_BT = token_mask.bool().reshape(rows, -1)
         cursors = {name: 0 for name in self.routers}  # mask columns consumed per router
@@ -419,7 +422,11 @@ class RouterStats:
         if getattr(router, "routes_subset", False):  # some positions of each sequence only (the
             return  # last layer at the loss positions): not a sample of them, nor their columns
         scores_TE, indices_TK = routing.scores_TE, routing.indices_TK
-        if mask_BT is not None:
+        if isinstance(mask_BT, list):  # one mask per call
+            mask_T = mask_BT[cursors[name]].reshape(-1).to(scores_TE.device)
+            cursors[name] += 1
+            scores_TE, indices_TK = scores_TE[mask_T], indices_TK[mask_T]
+        elif mask_BT is not None:
             start, width = cursors[name], scores_TE.shape[0] // mask_BT.shape[0]
             cursors[name] = start + width
             mask_T = mask_BT[:, start : start + width].reshape(-1).to(scores_TE.device)

@@ -107,6 +107,15 @@ class TrainerConfig(Section):
     metrics for those micro-batches (its bias holds if every micro-batch took this path). The
     LM head runs inside each segment's checkpoint whenever no value head needs the hidden
     states (not ppo)."""
+    shared_prefix: bool = True
+    """The rows of a micro-batch that start with the same prompt (a group's samples) run that
+    prompt through the policy once (policy/shared_prefix.py): up to the first sampled token of
+    any row, then each row's own tokens on the prompt's keys and values (K3: KDA state and MLA
+    latents). Same loss and gradients up to rounding; the forward and backward skip
+    (group size - 1) / group size of the prompt tokens (`learner/shared_prefix_share`: the
+    share of the step's tokens skipped). Micro-batches hold whole groups where they can. Used
+    on one learner rank without segments, context ranks, a value head or exact_logprobs; MoE:
+    the prompt's tokens count once, not once per row, in Quantile Balancing's statistics."""
     autocast: Literal["none", "bf16"] = "none"
     """bf16: the learner's forward (and so its backward) under torch.autocast in bfloat16; the
     weights, gradients and optimizer state stay fp32, and K3's KDA recurrence, attention softmax,

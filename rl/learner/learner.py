@@ -22,6 +22,7 @@ import torch
 
 from policy.k3.context import context_span, min_length
 from policy.logprobs import TokenLogprobs, decoder_hidden, head_logprobs
+from policy.shared_prefix import PrefixPlan, plan_shared_prefix
 from rl import faults
 from rl.config.runfile import ConfigError, FaultsConfig, TrainerConfig
 from rl.learner.advantages import gae
@@ -104,6 +105,9 @@ class Learner:
             params += list(self.value_head.parameters())
         self.router_stats = _router_stats(self.trunk)
         self.exact = exact_scorer(model) if cfg.exact_logprobs else None  # rl/learner/exact.py
+        self.share_prefix = cfg.shared_prefix and not (
+            self.shard.world > 1 or self.algo.critic or self.exact is not None
+        )  # one forward per rank per micro-batch keeps FSDP's collectives in step
         self.optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)  # optim.py
         self.version, self.skipped_steps, self.dropped_groups = 0, 0, 0
         self.nonfinite_in_a_row = 0
@@ -206,7 +210,8 @@ class Learner:
         if batch.input_ids_NT.shape[1] < self.shard.context:  # a token for every context rank
             batch = batch.rows(torch.arange(batch.size), self.shard.context)
         order = torch.randperm(batch.size, generator=self.generator)
-        prep = self._prepare(batch, self.shard.micro_batches(order, cfg.micro_batch_size))
+        prep = self._prepare(batch, self.shard.micro_batches(self._grouped(order),
+                                                             cfg.micro_batch_size))  # fmt: skip
         metrics = {
             **staleness_metrics(batch.versions_NT, batch.loss_mask_NT, self.version),
             **length_metrics(batch.loss_mask_NT),
@@ -225,7 +230,7 @@ class Learner:
             metrics.update(weights)
         if self.algo.critic:
             batch.adv_NT = spread_turn_values(prep.returns_NK - prep.values_NK, batch)
-        steps, routing, largest_ratio = [], {}, 0.0
+        steps, routing, largest_ratio, shared = [], {}, 0.0, 0.0
         for epoch in range(cfg.ppo_epochs):
             if epoch:
                 order = torch.randperm(batch.size, generator=self.generator)
@@ -234,9 +239,12 @@ class Learner:
                 sums, grad_norm = self._update(batch, prep, mini, is_weight_NT, epoch == 0, fresh)
                 _add(routing, {k: v for k, v in sums.items() if k.startswith("routing.")})
                 largest_ratio = max(largest_ratio, sums.pop("local.is_weight_max"))
+                shared += sums.pop("shared_tokens")
                 gap = max(gap, sums.pop("local.logprob_gap"))
                 steps.append(step_metrics(sums, grad_norm))
         metrics.update(self._step_summary(average(steps), routing, largest_ratio))
+        if self.share_prefix:  # the share of the batch's tokens whose forward was skipped
+            metrics["learner/shared_prefix_share"] = shared / float(batch.attention_mask_NT.sum())
         gap = largest(self.shard, gap)
         if gap >= 0:  # some sampled token of this version was trained
             metrics["learner/logprob_delta_max"] = gap
@@ -285,6 +293,7 @@ class Learner:
                     select,
                     replay_experts=self._replay(mb),
                     keep_hidden=self.algo.critic,
+                    prefix=self._plan(mb),
                 )
             if not scale:  # an empty piece's stand-in row belongs to another rank
                 continue
@@ -338,6 +347,18 @@ class Learner:
         a, b = context_span(self.model.config, mask_NT.shape[1], context,
                             self.shard.rank % context, self.cfg.segment_tokens)  # fmt: skip
         return mask_NT[:, a:b]
+
+    def _grouped(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` in batch order when prompts are shared (pack() lays groups out row after
+        row, so micro-batches then hold whole groups); the same rows either way."""
+        return rows.sort().values if self.share_prefix else rows
+
+    def _plan(self, mb: TrainBatch) -> PrefixPlan | None:
+        """The micro-batch's shared prompt (policy/shared_prefix.py), or None."""
+        segment = self.cfg.segment_tokens
+        if not self.share_prefix or (segment and mb.input_ids_NT.shape[1] > segment):
+            return None
+        return plan_shared_prefix(mb.input_ids_NT, mb.attention_mask_NT, mb.loss_mask_NT > 0)
 
     def _logp(self, model, hidden, mb: TrainBatch) -> torch.Tensor:
         targets = mb.input_ids_NT[:, 1:]
@@ -395,12 +416,18 @@ class Learner:
         turns = float(batch.turn_mask_NK[mini].sum().clamp(min=1))
         cap = self.cfg.tis_cap if self.cfg.off_policy == "tis" else None
         totals, sums = LossStats(), {"loss": 0.0, "entropy": 0.0, "value_loss": 0.0}
+        sums["shared_tokens"] = 0.0  # prompt tokens the shared prefix skipped (first pass)
         largest_gap = -1.0
-        for index, scale in _pieces(self.shard.micro_batches(mini, self.cfg.micro_batch_size)):
+        micro = self.shard.micro_batches(self._grouped(mini), self.cfg.micro_batch_size)
+        for index, scale in _pieces(micro):
             mb = self._rows(batch, index)
             width = mb.loss_mask_NT.shape[1]
+            plan = self._plan(mb)
+            if plan is not None and first_pass:
+                sums["shared_tokens"] += plan.saved_tokens
+            mask = self._shard_mask(mb.attention_mask_NT)
             record = (
-                self.router_stats.record(token_mask=self._shard_mask(mb.attention_mask_NT))
+                self.router_stats.record(token_mask=plan.token_masks(mask) if plan else mask)
                 if self.router_stats and first_pass
                 else contextlib.nullcontext()
             )
@@ -413,6 +440,7 @@ class Learner:
                     replay_experts=self._replay(mb),
                     return_routing=self._measure_routing(mb) and first_pass,
                     keep_hidden=self.algo.critic,
+                    prefix=plan,
                 )
             if self.exact is not None:  # the rollout engine's values, this forward's gradient
                 logp = exact_values(self.exact, mb, logp, self.version, self.temperature)
