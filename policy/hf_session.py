@@ -7,11 +7,14 @@ tokens (Tmax the longest), D head dim, V vocabulary.
 Each key keeps the cache object its model returned. When every key of a forward holds plain
 full-attention DynamicCache layers, the forward is batched: the caches are left-padded to Lmax
 and stacked, the new tokens left-padded to Tmax, a 2D attention mask zeroes both paddings,
-position_ids give each key its own positions; afterwards each key's real slots are cut back
-out of the batched cache, so a key's cache always holds exactly its own tokens. Other caches
-(sliding windows, linear attention, K3Cache) are fed one key at a time. Stacking copies the
-caches of the keys in the forward (O(their tokens) per step): this is the generic engine, the
-K3 one (policy/k3/engine/session.py) keeps its rows in place.
+position_ids give each key its own positions. The stacked cache then stays stacked (the
+session's batch): the next forwards that feed one token to each of at least half of its keys
+run on it directly (the other rows get a masked pad token), so a run of decode steps over the
+same episodes copies no cache. Any other forward first cuts each key's real slots back out of
+the batch (so a key's own cache holds exactly its tokens), then stacks again. Other caches
+(sliding windows, linear attention, K3Cache) are fed one key at a time. A prompt `add`ed to
+several new keys at once (a GRPO group's samples) is prefilled once and its cache shared. This is
+the generic engine; the K3 one (policy/k3/engine/session.py) keeps its rows in place.
 """
 
 from __future__ import annotations
@@ -34,10 +37,20 @@ from policy.session import PolicyBound, Sampled, check_keys
 
 @dataclass(slots=True)
 class _Context:
-    cache: Any = None  # the model's cache object; None before the first forward
+    cache: Any = None  # the model's cache object; None before the first forward or when batched
     fed: int = 0  # tokens in the cache
     pending: int | None = None  # sampled by step(), not fed yet
     logits_V: Tensor | None = None  # next-token logits after the last fed token
+    batched: bool = False  # its cache is a row of the session's batch
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The caches of the last stacked forward, left stacked: row b is contexts[b]'s."""
+
+    contexts: list[_Context]
+    cache: DynamicCache  # [B, H, W, D] per layer
+    mask_BW: Tensor  # long: 1 at each row's real slots (padding and idle steps are 0)
 
 
 class HFSession(PolicyBound):
@@ -50,6 +63,7 @@ class HFSession(PolicyBound):
         self.contexts: dict[Hashable, _Context] = {}
         self.batched_forwards = 0
         self._plain: bool | None = None  # does the model return plain DynamicCaches?
+        self._batch: _Batch | None = None
 
     @torch.inference_mode()
     def add(self, keys: list[Hashable], token_ids: list[list[int]]) -> list[None]:
@@ -63,9 +77,16 @@ class HFSession(PolicyBound):
             ctx = self.contexts.setdefault(key, _Context())
             feed = ([] if ctx.pending is None else [ctx.pending]) + [int(t) for t in tokens]
             if feed:
-                entries.append((ctx, feed))
                 ctx.pending, ctx.logits_V = None, None
+                entries.append((ctx, feed))
+        entries, copies = _distinct_prompts(entries)
         self._forward(entries)
+        if any(source.batched for _, source in copies):
+            self._release()  # the prompt's cache out of the batch, to be shared
+        for ctx, source in copies:  # same prompt: the cache object copied, its tensors shared
+            layers = source.cache.layers
+            ctx.cache = DynamicCache(ddp_cache_data=[(x.keys, x.values) for x in layers])
+            ctx.logits_V, ctx.fed = source.logits_V, source.fed
         return [None] * len(keys)
 
     @torch.inference_mode()
@@ -91,9 +112,11 @@ class HFSession(PolicyBound):
         return out
 
     def drop(self, keys: list[Hashable]) -> None:
-        """Forget these contexts (unknown keys are ignored)."""
+        """Forget these contexts (unknown keys are ignored; a batched one's row idles on)."""
         for key in keys:
-            self.contexts.pop(key, None)
+            ctx = self.contexts.pop(key, None)
+            if ctx is not None:
+                ctx.batched = False
 
     def context_length(self, key: Hashable) -> int:
         ctx = self._context(key)
@@ -117,7 +140,11 @@ class HFSession(PolicyBound):
 
     def cache_bytes(self, key: Hashable) -> int:
         """Bytes of key's cached keys and values (K3Cache: KDA state + conv + MLA slots)."""
-        cache = self._context(key).cache
+        ctx = self._context(key)
+        if ctx.batched:  # its real slots in the batch
+            row = self._batch.contexts.index(ctx)
+            return int(self._batch.mask_BW[row].sum()) * self._slot_bytes()
+        cache = ctx.cache
         if cache is None:
             return 0
         if hasattr(cache, "nbytes"):  # K3Cache
@@ -135,8 +162,17 @@ class HFSession(PolicyBound):
             raise KeyError(f"no context for key {key!r}")
         return self.contexts[key]
 
+    def _slot_bytes(self) -> int:
+        """Bytes of one cached token in the batch (keys and values of every layer)."""
+        layers = self._batch.cache.layers
+        return sum((x.keys[0, :, 0].numel() + x.values[0, :, 0].numel()) * x.keys.element_size()
+                   for x in layers)  # fmt: skip
+
     # -- forwards -------------------------------------------------------------------------------
     def _forward(self, entries: list[tuple[_Context, list[int]]]) -> None:
+        if not entries or self._decode_in_batch(entries):
+            return
+        self._release()
         if len(entries) > 1 and self._plain and all(_plain(c.cache) for c, _ in entries):
             self._forward_stacked(entries)
             self.batched_forwards += 1
@@ -176,16 +212,69 @@ class HFSession(PolicyBound):
         cache = _stack([ctx.cache for ctx, _ in entries], lengths, width) if width else None
         logits_BV, batched = self._run(ids_BT.to(device), mask_BS.to(device), pos_BT.to(device),
                                        cache)  # fmt: skip
-        keep_BS = mask_BS.bool().to(device)
         for b, (ctx, tokens) in enumerate(entries):
-            slots_S = keep_BS[b].nonzero()[:, 0]
+            ctx.cache, ctx.batched = None, True
+            ctx.logits_V, ctx.fed = logits_BV[b], ctx.fed + len(tokens)
+        self._batch = _Batch([ctx for ctx, _ in entries], batched, mask_BS.to(device))
+
+    def _decode_in_batch(self, entries: list[tuple[_Context, list[int]]]) -> bool:
+        """One token for each entry, all rows of the batch, and at least half of its rows:
+        one forward on the batch (the others' rows get a masked pad token); else False."""
+        batch = self._batch
+        if batch is None or 2 * len(entries) < len(batch.contexts):
+            return False
+        rows = {id(ctx): b for b, ctx in enumerate(batch.contexts) if ctx.batched}
+        index = [rows.get(id(ctx)) for ctx, _ in entries]
+        if None in index or any(len(tokens) != 1 for _, tokens in entries):
+            return False
+        size = len(batch.contexts)
+        ids_B1 = torch.full((size, 1), self.policy.pad_token_id, dtype=torch.long)
+        new_B1, pos_B1 = torch.zeros((size, 1), dtype=torch.long), torch.zeros_like(ids_B1)
+        for (ctx, tokens), b in zip(entries, index, strict=True):
+            ids_B1[b, 0], new_B1[b, 0], pos_B1[b, 0] = tokens[0], 1, ctx.fed
+        mask_BW = torch.cat([batch.mask_BW, new_B1.to(self.device)], 1)
+        logits_BV, batch.cache = self._run(ids_B1.to(self.device), mask_BW,
+                                           pos_B1.to(self.device), batch.cache)  # fmt: skip
+        batch.mask_BW = mask_BW
+        for (ctx, _), b in zip(entries, index, strict=True):
+            ctx.logits_V, ctx.fed = logits_BV[b], ctx.fed + 1
+        self.batched_forwards += 1
+        return True
+
+    def _release(self) -> None:
+        """Cut each live row's real slots out of the batch into its own cache; no batch after."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        keep_BW = batch.mask_BW.bool()
+        for b, ctx in enumerate(batch.contexts):
+            if not ctx.batched:
+                continue
+            slots_S = keep_BW[b].nonzero()[:, 0]
             ctx.cache = DynamicCache(
                 ddp_cache_data=[
                     (layer.keys[b : b + 1, :, slots_S], layer.values[b : b + 1, :, slots_S])
-                    for layer in batched.layers
+                    for layer in batch.cache.layers
                 ]
             )
-            ctx.logits_V, ctx.fed = logits_BV[b], ctx.fed + len(tokens)
+            ctx.batched = False
+
+
+def _distinct_prompts(entries: list[tuple[_Context, list[int]]]):
+    """(the entries to forward, [(a new context, the forwarded one with its prompt)]): new
+    contexts (nothing fed) given the same tokens are forwarded once."""
+    first: dict[tuple[int, ...], _Context] = {}
+    keep, copies = [], []
+    for ctx, tokens in entries:
+        fresh = ctx.fed == 0 and ctx.cache is None and not ctx.batched
+        source = first.get(tuple(tokens)) if fresh else None
+        if source is not None:
+            copies.append((ctx, source))
+            continue
+        if fresh:
+            first[tuple(tokens)] = ctx
+        keep.append((ctx, tokens))
+    return keep, copies
 
 
 def _plain(cache) -> bool:

@@ -291,3 +291,37 @@ def test_drop_lengths_and_cache_bytes(engine):
         assert session.cache_bytes("c") == per_seq + 30 * per_token
         session.drop(["a", "c"])
         assert session.pool is None
+
+
+def test_hf_a_groups_prompt_is_prefilled_once_and_decode_steps_stay_in_one_batch():
+    """A prompt added to several new keys runs once; decode steps over the same keys (or at
+    least half of them, after a drop) are one forward on the kept batch, whose rows are each
+    key's own context: greedy tokens and logprobs equal generate's on the whole history."""
+    policy = make_policy("hf")
+    session = open_session(policy)
+    shapes = []
+    policy.model.register_forward_hook(
+        lambda m, args, kwargs, out: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    prompts = [list(range(5, 30))] * 4 + [list(range(40, 52))] * 2
+    keys = [f"k{i}" for i in range(6)]
+    session.add(keys, prompts)
+    assert shapes == [(1, 25), (1, 12)]  # one prefill per distinct prompt
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    sampled = {key: [] for key in keys}
+    for turn in range(8):
+        if turn == 4:
+            session.drop(keys[:2])  # 4 of the batch's 6 rows step on
+            keys = keys[2:]
+        for key, out in zip(keys, session.step(keys, params), strict=True):
+            sampled[key].append((out.token, out.logprob))
+    assert shapes[2] == (6, 1) and all(shape == (6, 1) for shape in shapes[3:]), shapes
+    assert len(shapes) == 2 + 8 - 1  # the first step's tokens are sampled from the prefill
+    for key, prompt in zip([f"k{i}" for i in range(6)], prompts, strict=True):
+        want = policy.generate([prompt], params)[0]
+        got = sampled[key]
+        assert [t for t, _ in got] == want.token_ids[: len(got)], key
+        np.testing.assert_allclose([lp for _, lp in got], want.logprobs[: len(got)], atol=1e-4)
+        if key in keys:
+            assert session.cache_bytes(key) == session.bytes_for(len(prompt) + 7)

@@ -288,3 +288,53 @@ def test_kl_and_tis_report_their_terms(tiny_model):
     assert first["learner/ref_kl"] == pytest.approx(0.0, abs=1e-6)  # nothing moved yet
     assert second["learner/ref_kl"] > 0
     assert first["learner/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy
+
+
+def shared_prompt_group(model, rewards, *, seed, prompt_len=12):
+    """A GRPO group as rollouts make it: every sample starts with the same prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(5, 100, (prompt_len,), generator=gen).tolist()
+    trajs = []
+    for reward in rewards:
+        completion = torch.randint(5, 100, (int(torch.randint(3, 8, (1,), generator=gen)),),
+                                   generator=gen).tolist()  # fmt: skip
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
+        traj = Trajectory(task_id=f"t{seed}", status=RolloutStatus.COMPLETED, reward=reward)
+        traj.append(prompt, sampled=False)
+        traj.append(completion, sampled=True, logprobs=logp[0, prompt_len - 1 :].tolist(),
+                    version=0)  # fmt: skip
+        trajs.append(traj)
+    return TrajectoryGroup(group_id=str(seed), task_id=f"t{seed}", trajectories=trajs)
+
+
+@pytest.mark.parametrize("policy", ["qwen3", "k3"])
+def test_a_shared_prompt_runs_once_with_the_same_update(tiny_model, policy):
+    """trainer.shared_prefix: the same loss and gradients as without it, and the share of
+    skipped tokens in the metrics (K3: with routing records, so Quantile Balancing's per-call
+    token masks are taken)."""
+    if policy == "k3":
+        from tests.policy.test_session import k3_model
+
+        base = k3_model()
+    else:
+        base = copy.deepcopy(tiny_model)
+    groups = [shared_prompt_group(base, [1.0, 0.0, 0.0, 1.0], seed=s) for s in range(3)]
+    results = {}
+    for shared in (True, False):
+        model = copy.deepcopy(base)
+        learner, _ = learner_for(model, groups)
+        learner.share_prefix = shared
+        grads = {}
+        params = dict(learner.trunk.named_parameters())
+        learner.optimizer.step = lambda grads=grads, params=params: grads.update(
+            {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+        )  # the gradient the step would apply
+        results[shared] = learner.step(), grads
+    (on, g_on), (off, g_off) = results[True], results[False]
+    assert on["learner/shared_prefix_share"] > 0.3 and "learner/shared_prefix_share" not in off
+    assert on["learner/loss"] == pytest.approx(off["learner/loss"], rel=1e-4, abs=1e-6)
+    assert g_on.keys() == g_off.keys() and g_on
+    for name, grad in g_off.items():
+        torch.testing.assert_close(g_on[name], grad, rtol=1e-3, atol=1e-6, msg=name)
