@@ -330,7 +330,8 @@ def summarise(system: str, seed: int, steps: list[dict], args) -> dict:
         "samples_per_s": samples_s,
         "tokens_per_s_after_1": tokens_s2,
         "samples_per_s_after_1": samples_s2,
-        "success_mean": statistics.mean(success),
+        "success_mean": statistics.mean([x for x in success if x == x] or [float("nan")]),
+        # (an async step in which no episode finished reports none)
         "threshold_s": None if reached is None else sum(s["seconds"] for s in steps[: reached + 1]),
         "per_step": steps,
     }

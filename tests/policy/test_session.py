@@ -325,3 +325,33 @@ def test_hf_a_groups_prompt_is_prefilled_once_and_decode_steps_stay_in_one_batch
         np.testing.assert_allclose([lp for _, lp in got], want.logprobs[: len(got)], atol=1e-4)
         if key in keys:
             assert session.cache_bytes(key) == session.bytes_for(len(prompt) + 7)
+
+
+@pytest.mark.parametrize("engine", ["k3", "k3-module"])
+def test_k3_a_groups_prompt_is_fed_once_and_copied_row_to_row(engine):
+    """K3Session: new keys given the same prompt in one add are fed once; the copies' rows,
+    routes, tokens and logprobs are the fed key's (greedy: equal to generate's)."""
+    policy = make_policy(engine, record_routing=True)
+    session = open_session(policy)
+    rows = []
+    forward = policy.forward
+    policy.forward = lambda sub, ids, *a, **k: (
+        rows.append(ids.shape[0]) or forward(sub, ids, *a, **k)
+    )
+    prompts = [list(range(5, 30))] * 4 + [list(range(40, 52))] * 2
+    keys = [f"k{i}" for i in range(6)]
+    routes = session.add(keys, prompts)
+    assert max(rows) == 2  # the two distinct prompts (staircase), not six rows
+    for i in (1, 2, 3):
+        np.testing.assert_array_equal(routes[i], routes[0])
+    np.testing.assert_array_equal(routes[5], routes[4])
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    sampled = {key: [] for key in keys}
+    for _ in range(6):
+        for key, out in zip(keys, session.step(keys, params), strict=True):
+            sampled[key].append((out.token, out.logprob))
+    for key, prompt in zip(keys, prompts, strict=True):
+        want = policy.generate([prompt], params)[0]
+        assert [t for t, _ in sampled[key]] == want.token_ids, key
+        np.testing.assert_allclose([lp for _, lp in sampled[key]], want.logprobs, atol=1e-4)
+        assert session.cache_bytes(key) == session.cache_bytes(keys[0 if key < "k4" else 4])

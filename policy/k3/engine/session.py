@@ -87,7 +87,12 @@ class K3Session(PolicyBound):
             feed = ([] if ctx.pending is None else [ctx.pending]) + [int(t) for t in tokens]
             if feed:
                 feeds[key], ctx.pending, ctx.logits_V = feed, None, None
+        copies = self._same_prompts(feeds)  # fed once, then copied row to row
         routes = self._feed(feeds)
+        for key, source in copies:
+            self._copy_row(self.contexts[source], self.contexts[key])
+            if routes is not None:
+                routes[key] = list(routes[source])
         return [self._routes(routes, key) for key in keys]
 
     @torch.inference_mode()
@@ -186,6 +191,32 @@ class K3Session(PolicyBound):
             self.pool.extend(fresh)
         for i, key in enumerate(keys):
             self.contexts[key] = _Context(row=start + i)
+
+    def _same_prompts(self, feeds: dict[Hashable, list[int]]) -> list[tuple[Hashable, Hashable]]:
+        """Takes out of `feeds` every new key (nothing fed) whose tokens an earlier new key
+        of the same call has: [(that key, the earlier one)] (a GRPO group's samples). Not in
+        paged mode (a copy would need its own pages)."""
+        if self.pages is not None:
+            return []
+        first: dict[tuple[int, ...], Hashable] = {}
+        copies = []
+        for key, tokens in list(feeds.items()):
+            if self.contexts[key].fed:
+                continue
+            source = first.setdefault(tuple(tokens), key)
+            if source != key:
+                copies.append((key, source))
+                del feeds[key]
+        return copies
+
+    def _copy_row(self, source: _Context, ctx: _Context) -> None:
+        """ctx's row becomes a copy of source's (KDA conv windows and state, MLA slots, key
+        mask), with its logits and length."""
+        pool = self.pool
+        for x in (*pool.conv, *pool.state, *pool.latent, pool.key_mask):
+            if x is not None:
+                x[ctx.row] = x[source.row]
+        ctx.fed, ctx.logits_V = source.fed, source.logits_V
 
     def _routes(
         self, routes: dict[Hashable, list[Tensor]] | None, key: Hashable
