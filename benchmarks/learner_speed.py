@@ -2,6 +2,7 @@
 + AdamW step, on the same model and the same batch of trajectories.
 
     .venv/bin/python benchmarks/learner_speed.py [--batch 128] [--prompt 170] [--completion 32]
+        [--model qwen3 | k3] [--distinct-prompts]
         [--device cpu | cuda]   (cuda: both on the GPU in fp32; TRL with use_cpu=False)
 
 Both sides see identical token ids, completion masks, advantages and on-policy old logprobs
@@ -193,6 +194,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model", choices=["qwen3", "k3"], default="qwen3",
+                   help="qwen3: the dense 0.7M policy; k3: k3-tiny")  # fmt: skip
     p.add_argument(
         "--distinct-prompts",
         action="store_true",
@@ -200,7 +203,10 @@ def main() -> None:
     )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    base = build_model("qwen3", MODEL, vocab_size=768, seed=0).eval()
+    if args.model == "k3":
+        base = build_model("agentrl_k3", {"preset": "k3-tiny"}, vocab_size=768, seed=0).eval()
+    else:
+        base = build_model("qwen3", MODEL, vocab_size=768, seed=0).eval()
     prompts, completions, rewards, groups = make_batch(base, args)
     runners = {
         "agentrl Learner.step": ours(copy.deepcopy(base), groups, args),
