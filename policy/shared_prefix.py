@@ -49,11 +49,16 @@ class PrefixPlan:
 
 
 def plan_shared_prefix(
-    input_ids_BT: Tensor, attention_mask_BT: Tensor, select_BT: Tensor
+    input_ids_BT: Tensor,
+    attention_mask_BT: Tensor,
+    select_BT: Tensor,
+    routes_BT_: Tensor | None = None,
 ) -> PrefixPlan | None:
     """The plan for a micro-batch (select_BT [B, T-1]: the positions whose prediction the caller
     reads), or None where no two rows share MIN_PREFIX_TOKENS tokens before the first selected
-    position, or the prefix has padding (left padding)."""
+    position, or the prefix has padding (left padding). routes_BT_ ([B, T, ...], routing replay):
+    rows share a prefix only if its replayed experts are the same too (a group's samples may
+    come from different policy versions in async runs)."""
     selected_B = select_BT.bool().any(1)
     if input_ids_BT.shape[0] < 2 or not selected_B.all():
         return None
@@ -61,6 +66,9 @@ def plan_shared_prefix(
     if length < MIN_PREFIX_TOKENS or not bool(attention_mask_BT[:, :length].all()):
         return None
     prefixes_BP = input_ids_BT[:, :length]
+    if routes_BT_ is not None:
+        routes_BP_ = routes_BT_[:, :length].flatten(1).to(prefixes_BP.dtype)
+        prefixes_BP = torch.cat([prefixes_BP, routes_BP_], 1)
     unique_UP, inverse_B = torch.unique(prefixes_BP, dim=0, return_inverse=True)
     if unique_UP.shape[0] == input_ids_BT.shape[0]:
         return None
@@ -106,7 +114,12 @@ def _hf_hidden(decoder, input_ids_BT, attention_mask_BT, plan: PrefixPlan) -> Te
         position_ids=positions_UP,
         use_cache=True,
     )
-    cache = out.cache
+    cache = getattr(out, "cache", None)
+    if not hasattr(cache, "batch_select_indices"):
+        raise ValueError(
+            f"{type(decoder).__name__} returns no transformers Cache to share a prompt's keys "
+            "and values: set trainer.shared_prefix=false"
+        )
     cache.batch_select_indices(plan.inverse_B)  # [U, ...] -> [B, ...], differentiable
     mask_BS = attention_mask_BT[:, p:]
     return decoder(

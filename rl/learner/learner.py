@@ -358,7 +358,10 @@ class Learner:
         segment = self.cfg.segment_tokens
         if not self.share_prefix or (segment and mb.input_ids_NT.shape[1] > segment):
             return None
-        return plan_shared_prefix(mb.input_ids_NT, mb.attention_mask_NT, mb.loss_mask_NT > 0)
+        routes = mb.routes_NTMK if self.cfg.routing_replay else None  # same replay too
+        return plan_shared_prefix(
+            mb.input_ids_NT, mb.attention_mask_NT, mb.loss_mask_NT > 0, routes
+        )
 
     def _logp(self, model, hidden, mb: TrainBatch) -> torch.Tensor:
         targets = mb.input_ids_NT[:, 1:]

@@ -43,6 +43,7 @@ def grouped_batch(groups=3, size=4, prompt=24, seed=0):
 
 
 def test_the_plan_finds_each_groups_prompt_and_declines_where_nothing_is_shared():
+    """Groups by prompt (and by replayed routes, when given); None without a shared prefix."""
     ids, mask, select = grouped_batch()
     plan = plan_shared_prefix(ids, mask, select)
     assert plan.length == 23  # the last prompt token predicts the first sampled one
@@ -52,6 +53,10 @@ def test_the_plan_finds_each_groups_prompt_and_declines_where_nothing_is_shared(
     distinct = ids.clone()
     distinct[:, 0] = torch.arange(ids.shape[0]) + 1
     assert plan_shared_prefix(distinct, mask, select) is None
+    routes = torch.zeros(*ids.shape, 2, 2, dtype=torch.int16)
+    assert plan_shared_prefix(ids, mask, select, routes).rows_U.numel() == 3
+    routes[1, 5, 0, 0] = 3  # one sample's prompt routed otherwise (an older policy version)
+    assert plan_shared_prefix(ids, mask, select, routes).rows_U.numel() == 4
     early = select.clone()
     early[0, 2] = True  # a loss position inside the prompt: too short a prefix
     assert plan_shared_prefix(ids, mask, early) is None
