@@ -255,6 +255,17 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _live_episodes(self) -> RunConfig:
+        """rollout.max_episodes null -> its mode's default (see its docstring)."""
+        if self.rollout.max_episodes is None:
+            live = 64
+            if self.trainer.mode == "async":
+                ahead = (self.trainer.max_staleness + 1) * self.trainer.batch_size
+                live = max(live, -(-ahead // self.rollout.num_workers))
+            self.rollout.max_episodes = live
+        return self
+
+    @model_validator(mode="after")
     def _budget_needs_async(self) -> RunConfig:
         if self.rollout.token_budget is not None and self.trainer.mode != "async":
             raise ConfigError(

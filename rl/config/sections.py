@@ -242,8 +242,11 @@ class RolloutConfig(Section):
     """Stop the run when more than this fraction of a step's episodes end in an env error (the
     env's reset or step raised, or a tool ran past tool_timeout_s; such episodes are counted in
     rollout/env_errors and never trained on). 1: never stop."""
-    max_episodes: int = Field(64, gt=0)
-    """Live episodes per worker (decoded together; async mode admits new groups up to this)."""
+    max_episodes: Positive | None = None
+    """Live episodes per worker (decoded together; async mode admits new groups up to this).
+    null: 64 in sync mode; in async mode room for every group trainer.max_staleness lets start,
+    ceil((max_staleness + 1) x batch_size / num_workers) (at least 64): with fewer, the workers
+    cannot run ahead as far as the staleness bound allows, and tool latency goes unhidden."""
     tool_timeout_s: float = Field(60.0, gt=0)
     """An env step (its tool calls) running longer ends that episode as an env error; the
     other episodes keep decoding meanwhile."""

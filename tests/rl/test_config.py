@@ -170,3 +170,16 @@ def test_the_exported_json_schema_accepts_every_shipped_run_file(tmp_path, capsy
         bad = {**data, section: {**data[section], key: value}}
         assert not validator.is_valid(bad), (section, key, value)
     assert RunConfig.model_json_schema()["additionalProperties"] is False
+
+
+def test_live_episodes_default_to_the_room_the_staleness_bound_gives():
+    """rollout.max_episodes null: 64 in sync mode; async: every group max_staleness lets start
+    fits (2 x 128 trajectories over 2 workers: 128 each); an explicit value is kept."""
+    quickstart = ROOT / "configs/quickstart.yaml"
+    assert load_config(quickstart).rollout.max_episodes == 64
+    run = load_config(quickstart, ["trainer.mode=async", "rollout.num_workers=2"])
+    assert run.rollout.max_episodes == 128
+    run = load_config(quickstart, ["trainer.mode=async", "trainer.max_staleness=2"])
+    assert run.rollout.max_episodes == -(-3 * run.trainer.batch_size // run.rollout.num_workers)
+    run = load_config(quickstart, ["trainer.mode=async", "rollout.max_episodes=32"])
+    assert run.rollout.max_episodes == 32
