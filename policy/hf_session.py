@@ -35,7 +35,7 @@ from policy.sampling import SamplingParams, sample_next
 from policy.session import PolicyBound, Sampled, check_keys
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: contexts are found in the batch by `is`
 class _Context:
     cache: Any = None  # the model's cache object; None before the first forward or when batched
     fed: int = 0  # tokens in the cache

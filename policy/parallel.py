@@ -359,6 +359,10 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
 # --------------------------------------------------------------------------- QB and load metrics
 
 
+TokenMask = torch.Tensor | list[tuple[torch.Tensor, torch.Tensor | None]]
+"""RouterStats.record's token mask: one mask, or one (mask, rows) per router call."""
+
+
 class RouterStats:
     """Per-layer routing statistics of one training step over all data-parallel ranks: Quantile
     Balancing candidates (averaged over every micro-batch of every rank, Megatron's
@@ -392,23 +396,28 @@ class RouterStats:
         self._loads: dict[str, torch.Tensor] = {}
 
     @contextlib.contextmanager
-    def record(self, token_mask: torch.Tensor | list[torch.Tensor] | None = None) -> Iterator[None]:
+    def record(self, token_mask: TokenMask | None = None) -> Iterator[None]:
         """Record every router call inside the block; `token_mask` [B, T] (or any shape that
         flattens to the routers' tokens; True = counts) drops padding. A forward that routes
         the T positions in several calls along T (segments of S positions, B*S tokens each:
         policy/k3/segments.py) takes the mask's columns in order, one call after another; a
         call with fewer real tokens than experts / top_k (say a segment of padding) counts for
-        the loads but gives no QB candidate. A list of masks: one per router call, in order
-        (a shared prompt's [U, P], then the rows' own [B, S]: policy/shared_prefix.py)."""
+        the loads but gives no QB candidate. A list: one (mask, rows) per router call of one
+        micro-batch, in order (policy/shared_prefix.py: a shared prompt's [U, P] with the row
+        index [B] that copies it to every row, then the rows' own [B, S] with None); the calls'
+        tokens are gathered and counted once, after the last, as one forward over [B, T] would."""
         mask_BT = None
         if isinstance(token_mask, list):
-            mask_BT = [mask.bool() for mask in token_mask]
+            mask_BT = [(mask.bool(), rows) for mask, rows in token_mask]
         elif token_mask is not None:
             rows = token_mask.shape[0] if token_mask.dim() > 1 else 1
             mask_BT = token_mask.bool().reshape(rows, -1)
-        cursors = {name: 0 for name in self.routers}  # mask columns consumed per router
+        cursors = {name: 0 for name in self.routers}  # mask columns (or calls) consumed
+        parts: dict[str, list] = {name: [] for name in self.routers}  # a list's earlier calls
         handles = [
-            router.register_forward_hook(functools.partial(self._observe, name, mask_BT, cursors))
+            router.register_forward_hook(
+                functools.partial(self._observe, name, mask_BT, cursors, parts)
+            )
             for name, router in self.routers.items()
         ]
         try:
@@ -418,14 +427,24 @@ class RouterStats:
                 handle.remove()
 
     @torch.no_grad()
-    def _observe(self, name, mask_BT, cursors, router, args, routing) -> None:
+    def _observe(self, name, mask_BT, cursors, parts, router, args, routing) -> None:
         if getattr(router, "routes_subset", False):  # some positions of each sequence only (the
             return  # last layer at the loss positions): not a sample of them, nor their columns
         scores_TE, indices_TK = routing.scores_TE, routing.indices_TK
-        if isinstance(mask_BT, list):  # one mask per call
-            mask_T = mask_BT[cursors[name]].reshape(-1).to(scores_TE.device)
+        if isinstance(mask_BT, list):  # one (mask, rows) per call, counted after the last
+            mask, rows = mask_BT[cursors[name]]
             cursors[name] += 1
-            scores_TE, indices_TK = scores_TE[mask_T], indices_TK[mask_T]
+            if rows is not None:  # a shared prefix: every row's copy of it
+                scores_TE = scores_TE.unflatten(0, (mask.shape[0], -1))[rows].flatten(0, 1)
+                indices_TK = indices_TK.unflatten(0, (mask.shape[0], -1))[rows].flatten(0, 1)
+                mask = mask[rows]
+            keep_T = mask.reshape(-1).to(scores_TE.device)
+            parts[name].append((scores_TE[keep_T], indices_TK[keep_T]))
+            if cursors[name] % len(mask_BT):
+                return  # the micro-batch's tokens are counted together after its last call
+            scores_TE = torch.cat([scores for scores, _ in parts[name]])
+            indices_TK = torch.cat([indices for _, indices in parts[name]])
+            parts[name].clear()
         elif mask_BT is not None:
             start, width = cursors[name], scores_TE.shape[0] // mask_BT.shape[0]
             cursors[name] = start + width

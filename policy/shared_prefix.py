@@ -41,11 +41,12 @@ class PrefixPlan:
     def saved_tokens(self) -> int:
         return (self.inverse_B.numel() - self.rows_U.numel()) * self.length
 
-    def token_masks(self, attention_mask_BT: Tensor) -> list[Tensor]:
-        """The tokens each router call of `prefix_hidden` sees, as masks in call order:
-        [U, P] (all real), then the rows' own [B, S] (for RouterStats.record)."""
+    def token_masks(self, attention_mask_BT: Tensor) -> list[tuple[Tensor, Tensor | None]]:
+        """The tokens each router call of `prefix_hidden` sees, in call order, for
+        RouterStats.record: the prefixes [U, P] (all real) with the row index that copies
+        them to the B rows, then the rows' own [B, S]: the statistics of the whole forward."""
         prefix_UP = attention_mask_BT.new_ones(self.rows_U.numel(), self.length)
-        return [prefix_UP, attention_mask_BT[:, self.length :]]
+        return [(prefix_UP, self.inverse_B), (attention_mask_BT[:, self.length :], None)]
 
 
 def plan_shared_prefix(

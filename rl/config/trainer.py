@@ -114,9 +114,9 @@ class TrainerConfig(Section):
     latents). Same loss and gradients up to rounding; the forward and backward skip
     (group size - 1) / group size of the prompt tokens (`learner/shared_prefix_share`: the
     share of the step's tokens skipped). Micro-batches hold whole groups where they can. Used
-    on one learner rank without segments, context ranks, a value head or exact_logprobs; MoE:
-    the prompt's tokens count once, not once per row, in Quantile Balancing's statistics, and
-    with routing_replay rows share a prompt only where its recorded experts agree too."""
+    on one learner rank without segments, context ranks, a value head or exact_logprobs. MoE:
+    Quantile Balancing sees every row's copy of the prompt, as in the whole forward; with
+    routing_replay rows share a prompt only where its recorded experts agree too."""
     autocast: Literal["none", "bf16"] = "none"
     """bf16: the learner's forward (and so its backward) under torch.autocast in bfloat16; the
     weights, gradients and optimizer state stay fp32, and K3's KDA recurrence, attention softmax,

@@ -49,6 +49,8 @@ class TrainBatch:
     positions the mismatch metric compares)."""
     versions_NT: torch.Tensor | None = None
     """[N, T-1] policy version that sampled each target token (-1 where it was not sampled)."""
+    groups_N: torch.Tensor | None = None
+    """[N] each row's group (its index in the packed list of groups)."""
 
     @property
     def size(self) -> int:
@@ -87,6 +89,7 @@ class TrainBatch:
             None if self.routes_NTMK is None else cols(self.routes_NTMK, width, -1),
             None if self.routed_NT is None else cols(self.routed_NT, width),
             None if self.versions_NT is None else cols(self.versions_NT, width - 1),
+            None if self.groups_N is None else self.groups_N[index],
         )
 
 
@@ -120,11 +123,13 @@ def pack(
     (`advantages`: grpo | centred | none, the last for PPO, which fills them in later)."""
     adv_GS, valid_GS = group_advantages(groups, advantages)
     chosen = [
-        (t, float(adv_GS[i, j]))
+        (t, float(adv_GS[i, j]), i)
         for i, g in enumerate(groups)
         for j, t in enumerate(g.trajectories)
         if valid_GS[i, j]
     ]
+    group_of = torch.tensor([i for _, _, i in chosen], dtype=torch.long)
+    chosen = [(t, a) for t, a, _ in chosen]
     if not chosen:
         raise ValueError("no trainable trajectory in the batch (all errored)")
     n, width = len(chosen), max(len(t.token_ids) for t, _ in chosen)
@@ -168,6 +173,7 @@ def pack(
         routes,
         routed,
         token_versions,
+        group_of,
     )
 
 

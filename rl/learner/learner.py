@@ -35,12 +35,15 @@ from rl.learner.ledger import group_ids, new_entry, note, sort_groups
 from rl.learner.losses import LossStats, Normalizers, policy_loss, value_loss
 from rl.learner.optim import adamw
 from rl.learner.stats import (
+    add_sums,
     average,
     decoupled_weights,
     largest,
     length_metrics,
     logprob_gap,
     mini_batches,
+    mismatch_metrics,
+    routing_mismatch,
     share_rows,
     staleness_metrics,
     step_metrics,
@@ -210,7 +213,7 @@ class Learner:
         if batch.input_ids_NT.shape[1] < self.shard.context:  # a token for every context rank
             batch = batch.rows(torch.arange(batch.size), self.shard.context)
         order = torch.randperm(batch.size, generator=self.generator)
-        prep = self._prepare(batch, self.shard.micro_batches(self._grouped(order),
+        prep = self._prepare(batch, self.shard.micro_batches(self._grouped(order, batch),
                                                              cfg.micro_batch_size))  # fmt: skip
         metrics = {
             **staleness_metrics(batch.versions_NT, batch.loss_mask_NT, self.version),
@@ -237,7 +240,7 @@ class Learner:
             for mini in mini_batches(order, cfg.mini_batch_size):
                 fresh = not steps  # the weights that sampled this version's tokens
                 sums, grad_norm = self._update(batch, prep, mini, is_weight_NT, epoch == 0, fresh)
-                _add(routing, {k: v for k, v in sums.items() if k.startswith("routing.")})
+                add_sums(routing, {k: v for k, v in sums.items() if k.startswith("routing.")})
                 largest_ratio = max(largest_ratio, sums.pop("local.is_weight_max"))
                 shared += sums.pop("shared_tokens")
                 gap = max(gap, sums.pop("local.logprob_gap"))
@@ -263,7 +266,7 @@ class Learner:
         out = {k: v for k, v in means.items() if not drop.get(k, False)}
         if tis:
             out["learner/tis_weight_max"] = largest(self.shard, largest_ratio)
-        out.update(_mismatch_metrics(routing))
+        out.update(mismatch_metrics(routing))
         out.update(self._balance_experts())  # once per batch (see _balance_experts)
         return out
 
@@ -348,10 +351,14 @@ class Learner:
                             self.shard.rank % context, self.cfg.segment_tokens)  # fmt: skip
         return mask_NT[:, a:b]
 
-    def _grouped(self, rows: torch.Tensor) -> torch.Tensor:
-        """`rows` in batch order when prompts are shared (pack() lays groups out row after
-        row, so micro-batches then hold whole groups); the same rows either way."""
-        return rows.sort().values if self.share_prefix else rows
+    def _grouped(self, rows: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """The same rows, each group's together (groups in the order of their first row in
+        `rows`), when prompts are shared: micro-batches then hold whole groups."""
+        if not self.share_prefix or batch.groups_N is None:
+            return rows
+        first: dict[int, int] = {}
+        key = [first.setdefault(g, i) for i, g in enumerate(batch.groups_N[rows].tolist())]
+        return rows[torch.tensor(key).argsort(stable=True)]
 
     def _plan(self, mb: TrainBatch) -> PrefixPlan | None:
         """The micro-batch's shared prompt (policy/shared_prefix.py), or None."""
@@ -421,7 +428,7 @@ class Learner:
         totals, sums = LossStats(), {"loss": 0.0, "entropy": 0.0, "value_loss": 0.0}
         sums["shared_tokens"] = 0.0  # prompt tokens the shared prefix skipped (first pass)
         largest_gap = -1.0
-        micro = self.shard.micro_batches(self._grouped(mini), self.cfg.micro_batch_size)
+        micro = self.shard.micro_batches(self._grouped(mini, batch), self.cfg.micro_batch_size)
         for index, scale in _pieces(micro):
             mb = self._rows(batch, index)
             width = mb.loss_mask_NT.shape[1]
@@ -448,7 +455,7 @@ class Learner:
             if self.exact is not None:  # the rollout engine's values, this forward's gradient
                 logp = exact_values(self.exact, mb, logp, self.version, self.temperature)
             if routed is not None:
-                _add(sums, _routing_mismatch(routed, mb, scale))
+                add_sums(sums, routing_mismatch(routed, mb, scale))
             if fresh and self.cfg.off_policy != "decoupled":  # decoupled: measured in _train
                 gap = logprob_gap(logp, mb.old_logp_NT, mb.loss_mask_NT, mb.versions_NT,
                                   self.version)  # fmt: skip
@@ -593,41 +600,3 @@ def _group_key(group: TrajectoryGroup) -> tuple:
     """Order groups by id ("<step>-<index>" sorts numerically) so a batch never depends on
     which worker wrote first: bit-exact resume needs the same order every time."""
     return tuple(int(p) if p.isdigit() else p for p in group.group_id.split("-"))
-
-
-def _routing_mismatch(routed_MXK: torch.Tensor, mb: TrainBatch, scale: float) -> dict[str, float]:
-    """Per MoE layer: positions whose expert set differs between the learner's forward and the
-    rollout engine's record (X = B*T positions)."""
-    layers, _, k = routed_MXK.shape
-    live_MBTK = routed_MXK.view(layers, *mb.input_ids_NT.shape, k).sort(-1).values
-    recorded_MBTK = mb.routes_NTMK.long().permute(2, 0, 1, 3).sort(-1).values
-    valid_BT = mb.routed_NT & (mb.attention_mask_NT > 0)
-    measured_MBT = valid_BT & (live_MBTK >= 0).all(-1)  # -1: a position the layer skipped
-    differs_MBT = (live_MBTK != recorded_MBTK).any(-1) & measured_MBT
-    out = {"routing.positions": float(valid_BT.sum()) * scale}
-    for m in range(layers):
-        out[f"routing.mismatch.{m}"] = float(differs_MBT[m].sum()) * scale
-        out[f"routing.measured.{m}"] = float(measured_MBT[m].sum()) * scale
-    return out
-
-
-def _add(sums: dict[str, float], values: dict[str, float]) -> None:
-    for key, value in values.items():
-        sums[key] = sums.get(key, 0.0) + value
-
-
-def _mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
-    positions = sums.get("routing.positions", 0.0)
-    if not positions:
-        return {}
-    layers = sorted(k.rsplit(".", 1)[1] for k in sums if k.startswith("routing.mismatch."))
-    measured = {m: sums.get(f"routing.measured.{m}", positions) for m in layers}
-    rates = {  # over the positions each layer routed (the last one, under loss_positions_only:
-        f"moe/routing_mismatch_layer{m}": sums[f"routing.mismatch.{m}"] / measured[m]  # the loss
-        for m in layers  # positions only); a layer that routed none has no rate
-        if measured[m] > 0
-    }
-    total = sum(measured.values())
-    if total > 0:  # pooled over the layers' positions
-        rates["moe/routing_mismatch"] = sum(sums[f"routing.mismatch.{m}"] for m in layers) / total
-    return rates

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rl.learner.batch import TrainBatch
 from rl.learner.distributed import Shard
 
 STALENESS_BINS = 4
@@ -158,3 +159,43 @@ def logprob_gap(
     if not same_NT.any():
         return -1.0
     return float((logp_NT.detach().float() - behav_logp_NT.float()).abs()[same_NT].max())
+
+
+def routing_mismatch(routed_MXK: torch.Tensor, mb: TrainBatch, scale: float) -> dict[str, float]:
+    """Per MoE layer: positions whose expert set differs between the learner's forward and the
+    rollout engine's record (X = B*T positions)."""
+    layers, _, k = routed_MXK.shape
+    live_MBTK = routed_MXK.view(layers, *mb.input_ids_NT.shape, k).sort(-1).values
+    recorded_MBTK = mb.routes_NTMK.long().permute(2, 0, 1, 3).sort(-1).values
+    valid_BT = mb.routed_NT & (mb.attention_mask_NT > 0)
+    measured_MBT = valid_BT & (live_MBTK >= 0).all(-1)  # -1: a position the layer skipped
+    differs_MBT = (live_MBTK != recorded_MBTK).any(-1) & measured_MBT
+    out = {"routing.positions": float(valid_BT.sum()) * scale}
+    for m in range(layers):
+        out[f"routing.mismatch.{m}"] = float(differs_MBT[m].sum()) * scale
+        out[f"routing.measured.{m}"] = float(measured_MBT[m].sum()) * scale
+    return out
+
+
+def add_sums(sums: dict[str, float], values: dict[str, float]) -> None:
+    """sums[key] += value for every item of values (missing keys start at 0)."""
+    for key, value in values.items():
+        sums[key] = sums.get(key, 0.0) + value
+
+
+def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """moe/routing_mismatch (pooled) and per layer, from routing_mismatch's summed counts."""
+    positions = sums.get("routing.positions", 0.0)
+    if not positions:
+        return {}
+    layers = sorted(k.rsplit(".", 1)[1] for k in sums if k.startswith("routing.mismatch."))
+    measured = {m: sums.get(f"routing.measured.{m}", positions) for m in layers}
+    rates = {  # over the positions each layer routed (the last one, under loss_positions_only:
+        f"moe/routing_mismatch_layer{m}": sums[f"routing.mismatch.{m}"] / measured[m]  # the loss
+        for m in layers  # positions only); a layer that routed none has no rate
+        if measured[m] > 0
+    }
+    total = sum(measured.values())
+    if total > 0:  # pooled over the layers' positions
+        rates["moe/routing_mismatch"] = sum(sums[f"routing.mismatch.{m}"] for m in layers) / total
+    return rates

@@ -311,9 +311,9 @@ def shared_prompt_group(model, rewards, *, seed, prompt_len=12):
 
 @pytest.mark.parametrize("policy", ["qwen3", "k3"])
 def test_a_shared_prompt_runs_once_with_the_same_update(tiny_model, policy):
-    """trainer.shared_prefix: the same loss and gradients as without it, and the share of
-    skipped tokens in the metrics (K3: with routing records, so Quantile Balancing's per-call
-    token masks are taken)."""
+    """trainer.shared_prefix: the same loss and gradients as without it, the share of skipped
+    tokens in the metrics, and (K3) the same Quantile Balancing update: the prompt's tokens
+    count once per row, as in the whole forward."""
     if policy == "k3":
         from tests.policy.test_session import k3_model
 
@@ -326,13 +326,20 @@ def test_a_shared_prompt_runs_once_with_the_same_update(tiny_model, policy):
         model = copy.deepcopy(base)
         learner, _ = learner_for(model, groups)
         learner.share_prefix = shared
+        learner.cfg.micro_batch_size = 12  # one micro-batch either way: QB's candidate is
+        # taken per micro-batch, and grouping the rows changes which rows share one
         grads = {}
         params = dict(learner.trunk.named_parameters())
         learner.optimizer.step = lambda grads=grads, params=params: grads.update(
             {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
         )  # the gradient the step would apply
-        results[shared] = learner.step(), grads
-    (on, g_on), (off, g_off) = results[True], results[False]
+        metrics = learner.step()
+        biases = {n: b.clone() for n, b in model.state_dict().items() if "correction_bias" in n}
+        results[shared] = metrics, grads, biases
+    (on, g_on, b_on), (off, g_off, b_off) = results[True], results[False]
+    assert b_on.keys() == b_off.keys() and (policy == "qwen3" or b_on)
+    for name, bias in b_off.items():  # Quantile Balancing saw the same tokens either way
+        torch.testing.assert_close(b_on[name], bias, rtol=1e-5, atol=1e-6, msg=name)
     assert on["learner/shared_prefix_share"] > 0.3 and "learner/shared_prefix_share" not in off
     assert on["learner/loss"] == pytest.approx(off["learner/loss"], rel=1e-4, abs=1e-6)
     assert g_on.keys() == g_off.keys() and g_on

@@ -41,6 +41,10 @@ def groups(model) -> list:
 def learner(
     model, batches, rank=0, world=1, ep=1, skip=0, segment=0, context=1, **extra
 ) -> Learner:
+    # several ranks never share a prompt (trainer.shared_prefix), so neither does the one-rank
+    # reference: a shared prompt chunks K3's KDA elsewhere (the same math, other float32
+    # rounding: tests/policy/test_shared_prefix.py checks it in float64)
+    extra.setdefault("shared_prefix", False)
     cfg = TrainerConfig(
         group_size=4, batch_size=8, micro_batch_size=2, lr=1e-3, world_size=world,
         expert_parallel=ep, segment_tokens=segment, context_parallel=context, **extra,
