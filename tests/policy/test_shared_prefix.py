@@ -9,17 +9,9 @@ import torch
 
 from policy.logprobs import TokenLogprobs
 from policy.shared_prefix import plan_shared_prefix
-from tests.policy.test_session import k3_model, qwen_model
+from tests.policy.test_session import _one_thread, k3_model, qwen_model  # noqa: F401 (autouse)
 
 VOCAB = 512
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def grouped_batch(groups=3, size=4, prompt=24, seed=0):
