@@ -32,7 +32,7 @@ from transformers.cache_utils import DynamicLayer
 from policy.hf import HFPolicy
 from policy.k3.cache import K3Cache
 from policy.sampling import SamplingParams, sample_next
-from policy.session import PolicyBound, Sampled, check_keys
+from policy.session import PolicyBound, Sampled, check_keys, same_prompts
 
 
 @dataclass(slots=True, eq=False)  # identity: contexts are found in the batch by `is`
@@ -79,7 +79,9 @@ class HFSession(PolicyBound):
             if feed:
                 ctx.pending, ctx.logits_V = None, None
                 entries.append((ctx, feed))
-        entries, copies = _distinct_prompts(entries)
+        entries, copies = same_prompts(
+            entries, lambda ctx: ctx.fed == 0 and ctx.cache is None and not ctx.batched
+        )
         self._forward(entries)
         if any(source.batched for _, source in copies):
             self._release()  # the prompt's cache out of the batch, to be shared
@@ -258,23 +260,6 @@ class HFSession(PolicyBound):
                 ]
             )
             ctx.batched = False
-
-
-def _distinct_prompts(entries: list[tuple[_Context, list[int]]]):
-    """(the entries to forward, [(a new context, the forwarded one with its prompt)]): new
-    contexts (nothing fed) given the same tokens are forwarded once."""
-    first: dict[tuple[int, ...], _Context] = {}
-    keep, copies = [], []
-    for ctx, tokens in entries:
-        fresh = ctx.fed == 0 and ctx.cache is None and not ctx.batched
-        source = first.get(tuple(tokens)) if fresh else None
-        if source is not None:
-            copies.append((ctx, source))
-            continue
-        if fresh:
-            first[tuple(tokens)] = ctx
-        keep.append((ctx, tokens))
-    return keep, copies
 
 
 def _plain(cache) -> bool:

@@ -130,3 +130,18 @@ def check_keys(keys: list[Hashable], token_ids: list[list[int]] | None = None) -
         raise ValueError("a key appears twice in one call")
     if token_ids is not None and len(token_ids) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
+
+
+def same_prompts(entries: list[tuple[Any, list[int]]], fresh) -> tuple[list, list]:
+    """(the entries to forward, [(item, the earlier item with the same tokens)]): of the
+    `fresh(item)` entries (nothing fed yet) given the same tokens, only the first is forwarded;
+    the others copy it (a GRPO group's samples share their prompt)."""
+    first: dict[tuple[int, ...], Any] = {}
+    keep, copies = [], []
+    for item, tokens in entries:
+        source = first.setdefault(tuple(tokens), item) if fresh(item) else item
+        if source is item:
+            keep.append((item, tokens))
+        else:
+            copies.append((item, source))
+    return keep, copies

@@ -123,13 +123,11 @@ def pack(
     (`advantages`: grpo | centred | none, the last for PPO, which fills them in later)."""
     adv_GS, valid_GS = group_advantages(groups, advantages)
     chosen = [
-        (t, float(adv_GS[i, j]), i)
+        (t, float(adv_GS[i, j]))
         for i, g in enumerate(groups)
         for j, t in enumerate(g.trajectories)
         if valid_GS[i, j]
     ]
-    group_of = torch.tensor([i for _, _, i in chosen], dtype=torch.long)
-    chosen = [(t, a) for t, a, _ in chosen]
     if not chosen:
         raise ValueError("no trainable trajectory in the batch (all errored)")
     n, width = len(chosen), max(len(t.token_ids) for t, _ in chosen)
@@ -173,7 +171,7 @@ def pack(
         routes,
         routed,
         token_versions,
-        group_of,
+        valid_GS.nonzero()[:, 0],  # each row's group, in the order of `chosen`
     )
 
 

@@ -40,7 +40,7 @@ from policy.k3.engine.plan import DecodePlan
 from policy.k3.engine.runner import K3Policy, routes_array
 from policy.k3.paged import PagedBatch, PagePool
 from policy.sampling import SamplingParams, sample_next
-from policy.session import PolicyBound, Sampled, check_keys
+from policy.session import PolicyBound, Sampled, check_keys, same_prompts
 
 _MIN_COMPACT = 64  # slots below which holes are not worth a compaction
 
@@ -198,15 +198,9 @@ class K3Session(PolicyBound):
         paged mode (a copy would need its own pages)."""
         if self.pages is not None:
             return []
-        first: dict[tuple[int, ...], Hashable] = {}
-        copies = []
-        for key, tokens in list(feeds.items()):
-            if self.contexts[key].fed:
-                continue
-            source = first.setdefault(tuple(tokens), key)
-            if source != key:
-                copies.append((key, source))
-                del feeds[key]
+        _, copies = same_prompts(list(feeds.items()), lambda key: not self.contexts[key].fed)
+        for key, _ in copies:
+            del feeds[key]
         return copies
 
     def _copy_row(self, source: _Context, ctx: _Context) -> None:
