@@ -21,6 +21,7 @@ from policy.k3.kda import (
     kda_recurrent,
     l2_normalize,
     short_conv,
+    short_conv_reference,
 )
 
 F64 = torch.float64
@@ -188,6 +189,24 @@ def test_short_conv_cache_carries_across_splits():
         for j in range(4)
     )
     torch.testing.assert_close(y, torch.nn.functional.silu(manual), atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("length", [1, 2, 9])
+def test_short_conv_equals_the_conv1d_reference_with_gradients(length):
+    """The shifted multiply-adds against torch's depthwise conv1d, float64, with a carried cache
+    (also T < W - 1, where the new cache still holds old inputs)."""
+
+    def run(fn):
+        gen = torch.Generator().manual_seed(length)
+        x = torch.randn(2, length, 6, generator=gen, dtype=F64, requires_grad=True)
+        weight = torch.randn(6, 1, 4, generator=gen, dtype=F64, requires_grad=True)
+        cache = torch.randn(2, 6, 3, generator=gen, dtype=F64, requires_grad=True)
+        y, new_cache = fn(x, weight, cache)
+        (y * torch.randn(y.shape, generator=gen, dtype=F64)).sum().backward()
+        return y.detach(), new_cache.detach(), x.grad, weight.grad, cache.grad
+
+    for got, want in zip(run(short_conv), run(short_conv_reference), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-13, rtol=0)
 
 
 def make_layer(*, gate_lower_bound=-5.0, full_rank_output_gate=True, num_v_heads=4, seed=0):
