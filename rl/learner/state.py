@@ -58,6 +58,12 @@ from rl.learner.distributed import local
 from rl.learner.group_ids import GroupIds
 
 DCP_DIR = "learner"
+# A one-rank learner saves and loads with `no_dist=True`. Through its one-rank gloo group,
+# DCP's collectives copy the checkpoint's tensors on gloo's own threads, whose parallel copies
+# start a second OpenMP team; from then on libgomp counts more threads than CPUs and stops
+# spinning between parallel regions (GOMP's throttled spin count), and every later learner step
+# took ~1.6x as long (1.2 -> 2.2 s on 2 cores, benchmarks/learner_speed.py's k3 batch;
+# tests/rl/test_checkpoint.py). Same files either way.
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=True)
 
 
@@ -68,7 +74,7 @@ def save_learner(learner, directory: Path) -> None:
     tensors, scalars = _flatten(model_sd, optim_sd)
     writer = dcp.HuggingFaceStorageWriter(str(directory / DCP_DIR), save_distributed=True)
     with _single_process_ok():
-        dcp.save(tensors, storage_writer=writer)
+        dcp.save(tensors, storage_writer=writer, no_dist=learner.shard.world == 1)
     _save_rng(learner, directory)
     if learner.shard.leader:
         write_json(
@@ -96,7 +102,7 @@ def load_learner(learner, directory: Path, *, rng: bool = True) -> None:
     meta = _read_meta(learner, directory)
     module = _modules(learner)
     model_sd, optim_sd = _state_dicts(learner, with_optimizer=meta["optimizer"] is not None)
-    tensors = _read_tensors(directory, model_sd, optim_sd)
+    tensors = _read_tensors(directory, model_sd, optim_sd, alone=learner.shard.world == 1)
     set_model_state_dict(module, model_sd, options=_OPTIONS)
     if optim_sd is None:  # the checkpoint was taken before any optimizer step
         learner.optimizer.state.clear()
@@ -125,9 +131,12 @@ def load_policy_weights(model: torch.nn.Module, directory: Path) -> None:
     set_model_state_dict(module, model_sd, options=_OPTIONS)
 
 
-def _read_tensors(directory: Path, model_sd: dict, optim_sd: dict | None) -> dict:
+def _read_tensors(
+    directory: Path, model_sd: dict, optim_sd: dict | None, *, alone: bool = True
+) -> dict:
     """DCP-load, in place, this rank's pieces of every weight and of the optimizer state the
-    checkpoint has; returns them by global key."""
+    checkpoint has; returns them by global key. `alone` (one rank): without DCP's collectives
+    (`no_dist`, see the note at DCP_DIR)."""
     path = str(directory / DCP_DIR)
     saved = set(dcp.HuggingFaceStorageReader(path).read_metadata().state_dict_metadata)
     for fqn, entry in list((optim_sd or {}).get("state", {}).items()):
@@ -136,7 +145,7 @@ def _read_tensors(directory: Path, model_sd: dict, optim_sd: dict | None) -> dic
     tensors, _ = _flatten(model_sd, optim_sd)
     try:
         with _single_process_ok():
-            dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(path))
+            dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(path), no_dist=alone)
     except dcp.CheckpointException as exc:  # (a BaseException) a missing key, another shape
         reason = str(exc).strip().splitlines()[-1]  # DCP's text ends with the first cause
         raise CheckpointError(f"{directory} does not fit this learner: {reason}") from exc

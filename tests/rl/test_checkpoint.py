@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +95,51 @@ def test_a_resume_keeps_the_loading_learners_optimizer_kernel(tiny_model, tmp_pa
     one.source, resumed = ListSource(groups[4:]), again
     one.step(), resumed.step()
     assert checksum(export_weights(resumed.model)) == checksum(export_weights(one.model))
+
+
+ONE_RANK_ROUND_TRIP = """
+import json, os, tempfile
+from pathlib import Path
+from policy.hf import build_model, checksum, export_weights
+from rl.config.runfile import TrainerConfig
+from rl.learner.learner import Learner
+from tests.rl.test_learner import ListSource, make_group
+
+def gloo_threads():
+    tasks = Path("/proc/self/task").iterdir()
+    return sum("gloo" in (task / "comm").read_text() for task in tasks)
+
+model = build_model("agentrl_k3", {"preset": "k3-debug"}, vocab_size=128, seed=0)
+groups = [make_group(model, [1.0, 0.0], seed=s) for s in range(2)]
+cfg = TrainerConfig(algorithm="grpo", group_size=2, batch_size=2, micro_batch_size=2, lr=1e-3)
+one = Learner(cfg, model=model, source=ListSource(groups), pad_token_id=0, temperature=1.0)
+one.step()
+before, weights = gloo_threads(), checksum(export_weights(one.model))
+with tempfile.TemporaryDirectory() as tmp:
+    one.save(Path(tmp))
+    one.load(Path(tmp))
+print(json.dumps({"before": before, "after": gloo_threads(),
+                  "same": checksum(export_weights(one.model)) == weights}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc/self/task (Linux)")
+def test_a_one_rank_checkpoint_runs_no_collective():
+    """A one-rank (MoE) learner has a one-rank gloo group; DCP's save and load through it ran
+    collectives on gloo's threads, whose parallel copies started a second OpenMP team, after
+    which every learner step took ~1.6x as long (rl/learner/state.py, at DCP_DIR). They run
+    with no_dist: no gloo work thread starts, and the weights round-trip. A fresh process, so
+    no earlier test's threads count."""
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_RANK_ROUND_TRIP],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["before"] > 0, "the learner should hold a one-rank gloo group"
+    assert found["after"] == found["before"] and found["same"], found
 
 
 def test_incomplete_and_corrupt_checkpoints_are_refused(tiny_model, tmp_path):
