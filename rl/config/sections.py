@@ -210,6 +210,13 @@ class RolloutConfig(Section):
     first."""
     threads_per_worker: int = Field(1, gt=0)
     """torch threads in each worker."""
+    cpu_priority: Literal["auto", "normal", "idle"] = "auto"
+    """async mode, Linux: the scheduling class of a worker's serve thread (its decoding, agent
+    loop and tool threads). idle: SCHED_IDLE, so where workers and the learner share CPUs the
+    learner (an async run's critical path) never waits for a core and the workers take the
+    cycles it leaves; normal: the OS default; auto: idle when the workers decode on the CPU
+    (rollout.device resolved to cpu), else normal. Sync mode, where the two never overlap,
+    ignores it."""
     device: Device = "auto"
     """Where the workers' engines (and so the evaluations) run. cuda: one GPU per worker, asked
     of Ray; auto: cuda when a GPU is left for every worker after the learner's, else cpu. An

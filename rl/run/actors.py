@@ -25,6 +25,7 @@ from rl.config.runfile import RunConfig
 from rl.learner.distributed import Shard, init_group
 from rl.observe.console import configure_from_env
 from rl.run.build import build_learner, build_worker
+from rl.run.cpu_priority import idle_supported, idle_thread, wants_idle
 from rl.run.devices import torch_device, with_devices
 from rl.run.fleet import fetch_from_board, find_board, post_to_board, start_board
 from rl.run.launch import connect, rendezvous
@@ -83,15 +84,19 @@ class WorkerHost:
                 self.worker.session().load_weights(*staged)
 
     def serve(self, params: SamplingParams) -> None:
-        """Async mode: generate until `stop_serving` (rl/run/serving.py builds the loop)."""
+        """Async mode: generate until `stop_serving` (rl/run/serving.py builds the loop), at
+        idle CPU priority where `rollout.cpu_priority` says so (rl/run/cpu_priority.py)."""
         from rl.run.serving import serve_worker
 
         self.catch_up()
         with self.lock:
             self.serving = True
         self.stop_event.clear()
+        r = self.cfg.rollout
+        idle = wants_idle(r.cpu_priority, self.cfg.trainer.mode, r.device)
         try:
-            serve_worker(self, params)
+            with idle_thread(idle):
+                serve_worker(self, params)
         finally:
             with self.lock:
                 self.serving = False
@@ -417,6 +422,9 @@ def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
         ray.get(learner.attach_board.remote(board))  # its handle keeps the board alive
     places = ray.get([w.node.remote() for w in workers])  # surfaces constructor errors now
     logger.info(f"rollout workers on {where(places)}")
+    if wants_idle(r.cpu_priority, cfg.trainer.mode, r.device) and idle_supported():
+        logger.info(f"rollout workers decode at idle CPU priority (rollout.cpu_priority: "
+                    f"{r.cpu_priority}): the learner never waits for a core")  # fmt: skip
     if cfg.weights.transport == "broadcast":
         connect_broadcast(learner, workers, timeout_s=cfg.weights.push_timeout_s)
     return learner, workers
