@@ -130,14 +130,15 @@ class SegmentCache:
 
 
 def _segment(decoder, ids_BS, mask_BS, kda_in, latents_in, masks_in, replay, routing: bool,
-             head=None, t0: int = 0, positions=None):  # fmt: skip
+             head=None, t0: int = 0, positions=None, release: bool = True):  # fmt: skip
     """One segment through the decoder -> (hidden [B, S, D], KDA carry, latent chunks, mask
     chunk [B, S], routed experts [M, B*S, K] or None); with `head`, head(hidden, t0, t1,
     positions) in place of the hidden states (computed here, inside the segment's checkpoint;
-    positions: the decoder's hidden at those positions only, K3Model.forward). On a CPU the heap's
-    free pages go back to the OS first (host_memory.py; the decoder's `release_heap` attribute,
-    default on)."""
-    if ids_BS.device.type == "cpu" and getattr(decoder, "release_heap", True):
+    positions: the decoder's hidden at those positions only, K3Model.forward). With `release`
+    (the sequence runs as several segments) on a CPU the heap's free pages go back to the OS
+    first (host_memory.py; the decoder's `release_heap` attribute, default on); a forward of one
+    segment leaves the heap to the allocator, which reuses it for the next micro-batch."""
+    if release and ids_BS.device.type == "cpu" and getattr(decoder, "release_heap", True):
         release_free_heap()  # what the previous segment (or its backward) freed
     cache = SegmentCache(kda_in, latents_in, masks_in)
     out = decoder(
@@ -247,6 +248,7 @@ def carried_hidden(
             head,
             t0,
             None if head is None else head.positions(t0, t1),
+            length > segment,  # several segments: trim the heap between them
         )
         hidden_BSD, kda, new_latents, mask_BS, routed_MXK = run(*args)
         latents = tuple(
