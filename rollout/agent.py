@@ -40,7 +40,8 @@ from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Trajectory
 
 TOOL_THREADS = 16
-"""Env steps (tool calls) running at once in one loop."""
+"""Env steps (tool calls) running at once in one loop, unless its maker says (run files:
+rollout.tool_threads, one per live episode)."""
 
 
 class Sampled(Protocol):
@@ -121,13 +122,14 @@ class AgentLoop:
         deterministic: bool = True,
         pool: ThreadPoolExecutor | None = None,
         cache_budget: int | None = None,
+        tool_threads: int = TOOL_THREADS,
     ) -> None:
         self.session, self.renderer, self.limits = session, renderer, limits
         self.cache_budget = cache_budget
         """Bytes of cache this loop may hold (None: no limit); see `room`."""
         self.tool_timeout_s, self.deterministic = tool_timeout_s, deterministic
-        self.own_pool = pool is None
-        self.pool = pool or _tool_pool()
+        self.own_pool, self.tool_threads = pool is None, tool_threads
+        self.pool = pool or _tool_pool(tool_threads)
         self.stuck: list[Future] = []
         """Env steps that timed out and still hold a pool thread (Python cannot stop one)."""
         self.live: dict[str, Episode] = {}
@@ -212,9 +214,9 @@ class AgentLoop:
         half the pool's threads are held so, later steps go to a fresh pool (the old one keeps
         running what it has), so hung tools never starve the other episodes' env steps."""
         self.stuck = [f for f in self.stuck if not f.done()] + [future]
-        if self.own_pool and len(self.stuck) >= TOOL_THREADS // 2:
+        if self.own_pool and len(self.stuck) >= max(1, self.tool_threads // 2):
             self.pool.shutdown(wait=False)
-            self.pool, self.stuck = _tool_pool(), []
+            self.pool, self.stuck = _tool_pool(self.tool_threads), []
 
     def _feed(self, params: SamplingParams) -> None:
         ready = [e for e in self.live.values() if e.feed and not e.done]
@@ -306,8 +308,8 @@ def run_all(
     return [e.traj for e in episodes]
 
 
-def _tool_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=TOOL_THREADS, thread_name_prefix="agentrl-tool")
+def _tool_pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="agentrl-tool")
 
 
 def _env_step(env, message):

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from policy.engines import open_session
 from policy.sampling import SamplingParams
-from rollout.agent import AgentLoop, run_all, start_episode
+from rollout.agent import TOOL_THREADS, AgentLoop, run_all, start_episode
 from rollout.episode import EpisodeLimits, Policy, discard, run_episodes, task_id
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Scorer, Trajectory, TrajectoryGroup
@@ -48,12 +48,15 @@ class RolloutWorker:
         max_episodes: int = 64,
         tool_timeout_s: float = 60.0,
         cache_budget: int | None = None,
+        tool_threads: int = TOOL_THREADS,
     ):
         self.env_factory, self.env_id = env_factory, env_id
         self.policy, self.renderer, self.scorer, self.sink = policy, renderer, scorer, sink
         self.limits, self.max_episodes, self.tool_timeout_s = limits, max_episodes, tool_timeout_s
         self.cache_budget = cache_budget
         """Bytes of decode cache this worker may hold (None: no limit; AgentLoop.room)."""
+        self.tool_threads = tool_threads
+        """Env steps run at once (each AgentLoop's tool pool)."""
         self._envs: list[Any] = []
         self._session = None
         self._env_errors_seen: set[str] = set()
@@ -89,6 +92,7 @@ class RolloutWorker:
                 self.limits,
                 tool_timeout_s=self.tool_timeout_s,
                 cache_budget=self.cache_budget,
+                tool_threads=self.tool_threads,
             )
             envs = self._env_pool(len(seeds))
 

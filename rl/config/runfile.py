@@ -256,13 +256,16 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _live_episodes(self) -> RunConfig:
-        """rollout.max_episodes null -> its mode's default (see its docstring)."""
+        """rollout.max_episodes null -> its mode's default (see its docstring); tool_threads
+        null -> max_episodes."""
         if self.rollout.max_episodes is None:
             live = 64
             if self.trainer.mode == "async":
                 ahead = (self.trainer.max_staleness + 1) * self.trainer.batch_size
                 live = max(live, -(-ahead // self.rollout.num_workers))
             self.rollout.max_episodes = live
+        if self.rollout.tool_threads is None:
+            self.rollout.tool_threads = self.rollout.max_episodes
         return self
 
     @model_validator(mode="after")

@@ -417,10 +417,13 @@ def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
         for i in range(r.num_workers)
     ]
     learner = start_learner(cfg, model_dir, redis_url, run_id)
+    ready = []
     if cfg.trainer.mode == "async":  # restarted workers fetch the latest weights from it
         board = start_board(run_id, ray.get(learner.node.remote())[0])
         ray.get(learner.attach_board.remote(board))  # its handle keeps the board alive
+        ready.append(board.get.remote())  # its process starts now, not in the first step
     places = ray.get([w.node.remote() for w in workers])  # surfaces constructor errors now
+    ray.get(ready)
     logger.info(f"rollout workers on {where(places)}")
     if wants_idle(r.cpu_priority, cfg.trainer.mode, r.device) and idle_supported():
         logger.info(f"rollout workers decode at idle CPU priority (rollout.cpu_priority: "

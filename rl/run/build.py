@@ -125,6 +125,7 @@ def build_worker(
         max_episodes=cfg.rollout.max_episodes,
         tool_timeout_s=cfg.rollout.tool_timeout_s,
         cache_budget=cache_budget(cfg, device),
+        tool_threads=cfg.rollout.tool_threads,
     )
 
 

@@ -34,6 +34,7 @@ def serve_worker(host, params: SamplingParams) -> None:
         tool_timeout_s=cfg.rollout.tool_timeout_s,
         deterministic=False,
         cache_budget=worker.cache_budget,
+        tool_threads=worker.tool_threads,
     )
     host.rollouts = AsyncRollouts(
         worker,

@@ -183,3 +183,11 @@ def test_live_episodes_default_to_the_room_the_staleness_bound_gives():
     assert run.rollout.max_episodes == -(-3 * run.trainer.batch_size // run.rollout.num_workers)
     run = load_config(quickstart, ["trainer.mode=async", "rollout.max_episodes=32"])
     assert run.rollout.max_episodes == 32
+
+
+def test_tool_threads_default_to_one_per_live_episode():
+    quickstart = ROOT / "configs/quickstart.yaml"
+    assert load_config(quickstart).rollout.tool_threads == 64
+    run = load_config(quickstart, ["trainer.mode=async", "trainer.max_staleness=2"])
+    assert run.rollout.tool_threads == run.rollout.max_episodes > 64
+    assert load_config(quickstart, ["rollout.tool_threads=4"]).rollout.tool_threads == 4

@@ -188,6 +188,41 @@ def test_env_steps_that_hang_forever_never_starve_the_others(tokenizer):
         release.set()
 
 
+class MeetingEnv(gymnasium.Wrapper):
+    """An env whose first step waits until every episode's first step has started (a barrier
+    that breaks after `timeout` s): it completes only when all of them run at once."""
+
+    def __init__(self, env, barrier):
+        super().__init__(env)
+        self.barrier, self.met = barrier, False
+
+    def step(self, action):
+        if not self.met:
+            self.barrier.wait()
+            self.met = True
+        return self.env.step(action)
+
+
+@pytest.mark.parametrize("threads", [24, 16])
+def test_a_thread_per_live_episode_runs_every_tool_call_at_once(tokenizer, threads):
+    """rollout.tool_threads null gives a thread per live episode: 24 episodes whose first tool
+    calls wait for each other all complete; with 16 threads (the old fixed pool), 8 of them
+    queue behind the 16 that wait, the barrier breaks and their episodes end as env errors."""
+    renderer = ChatRenderer(tokenizer)
+    barrier = threading.Barrier(24, timeout=2.0)
+    loop = AgentLoop(
+        ScriptedSession(tokenizer, expert_script(tokenizer)),
+        renderer,
+        EpisodeLimits(),
+        deterministic=False,
+        tool_threads=threads,
+    )
+    make = lambda: MeetingEnv(gymnasium.make("agentrl/Calculator-v0"), barrier)  # noqa: E731
+    trajs = run_all(loop, episodes(renderer, 24, make), params_for(renderer), max_live=24)
+    completed = [t.status is RolloutStatus.COMPLETED for t in trajs]
+    assert all(completed) if threads == 24 else not any(completed), [t.status for t in trajs]
+
+
 def test_tokens_carry_the_version_that_sampled_them(tokenizer):
     renderer = ChatRenderer(tokenizer)
     session = ScriptedSession(tokenizer, expert_script(tokenizer))
