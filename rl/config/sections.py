@@ -261,8 +261,9 @@ class RolloutConfig(Section):
     """Env steps (tool calls) a worker runs at once, each on a thread of its tool pool. null: one
     per live episode (rollout.max_episodes), so that no episode's tool call queues behind
     others that wait (on I/O, a sandbox, a slow service). With fewer, a few slow tools hold
-    every thread and the whole worker stalls: on the long-tail workload a pool of 16 left the
-    async learner idle 21% of its steps, one per episode 6% (docs/benchmarks.md)."""
+    every thread and the whole worker stalls: on the long-tail workload (async, staleness 2) a
+    pool of 16 left the learner idle 21% of its steps after the first, one thread per episode 6%
+    (docs/benchmarks.md, "Async vs sync")."""
     token_budget: Positive | None = None
     """Partial rollouts: tokens a worker generates per iteration (sync: per collect; async: per
     policy version it serves). Unfinished episodes are saved to Redis with their env state and
