@@ -166,7 +166,7 @@ class WorkerHost:
         return self.receiver.receive_broadcast(manifest)
 
     def catch_up(self) -> int:
-        """Fetch the latest published weights from the run's board (rl/run/fleet.py
+        """Fetch the latest published weights from the run's board (rl/run/board.py
         WeightBoard) when they are newer than ours: a started or restarted worker does not wait
         for the next push. Returns the version now held."""
         board = find_board(self.run_id)
@@ -213,7 +213,7 @@ class LearnerHost:
         self.followers: list = []
         self.learner = None
         self.publisher = Publisher(self._export_all, bucket_mb=cfg.weights.bucket_mb)
-        self._board = None  # async mode: rl/run/fleet.py WeightBoard (attach_board)
+        self._board = None  # async mode: rl/run/board.py WeightBoard (attach_board)
         if world == 1:
             self.setup()
 

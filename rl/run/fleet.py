@@ -6,7 +6,7 @@ travelling while the learner's next step trains, settled once that step is done.
                   push k travels to the workers --> settled after step k+1
 
 A worker that restarted meanwhile is forgiven a push it missed: it fetches the latest version
-from the run's weight board itself (rl/run/fleet.py WeightBoard, rl/run/actors.py
+from the run's weight board itself (rl/run/board.py WeightBoard, rl/run/actors.py
 `catch_up`). With the broadcast transport a restart also breaks the gloo group: a push that
 was in flight then fails for every member, and the group is formed again before the next push.
 """
@@ -19,6 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rl.observe.metrics import push_metrics
+from rl.run.board import WeightBoard
 from rl.run.weights import (
     Manifest,
     PushInFlight,
@@ -79,23 +80,6 @@ class Fleet:
             self.learner, self.workers, timeout_s=self.timeout_s, transport=self.transport
         )
         return out
-
-
-class WeightBoard:
-    """The latest published weights (a manifest and its object-store refs), as a tiny named
-    actor (`<run id>-weights`, async mode): the learner posts every publication, and a worker
-    that starts or restarts fetches the latest itself instead of waiting for the next push.
-    Holding the refs keeps that one version's objects alive; an older post never wins."""
-
-    def __init__(self) -> None:
-        self.latest: tuple[Manifest, list] | None = None
-
-    def post(self, manifest: Manifest, refs: list) -> None:
-        if self.latest is None or manifest.version > self.latest[0].version:
-            self.latest = (manifest, refs)
-
-    def get(self) -> tuple[Manifest, list] | None:
-        return self.latest
 
 
 def board_name(run_id: str) -> str:

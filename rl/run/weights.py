@@ -18,7 +18,7 @@ digests), a worker as each bucket arrives. A worker verifies every bucket and th
 before it installs anything, then installs all buckets at once: it serves version N or N-1, never
 a mix. A push not acknowledged by every worker within the timeout, or rejected by one, raises an
 error naming the workers, unless the worker restarted meanwhile (it then fetches the newest
-version from the run's WeightBoard itself, rl/run/fleet.py; async mode, `finish_push`).
+version from the run's WeightBoard itself, rl/run/board.py; async mode, `finish_push`).
 """
 
 from __future__ import annotations

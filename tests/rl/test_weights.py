@@ -20,7 +20,7 @@ from policy.hf import (
     import_weights,
     verified,
 )
-from rl.run.fleet import WeightBoard
+from rl.run.board import WeightBoard
 from rl.run.weights import (
     PIECE_BYTES,
     Publisher,
