@@ -16,6 +16,7 @@ and does nothing otherwise. The config travels to the actors with the rest of th
     kill_learner_at: S           the learner is SIGKILLed when step S begins
     disk_full_at: S              the checkpoint of step S fails with ENOSPC halfway through the
                                  learner's tensor file
+    slow_driver_s: X             async mode: the driver's bookkeeping of each step sleeps X s
 
 Every function takes the FaultsConfig (None: no fault). A leaf module: it imports nothing of
 agentrl's at run time.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -123,3 +125,9 @@ def disk_full(faults: FaultsConfig | None, directory: Path, step: int, rank: int
     with open(path, "r+b") as fh:
         fh.truncate(path.stat().st_size // 2)
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def slow_driver(faults: FaultsConfig | None) -> None:
+    """Sleep `slow_driver_s` in the async driver's bookkeeping of a step (0: no delay)."""
+    if faults is not None and faults.slow_driver_s:
+        time.sleep(faults.slow_driver_s)

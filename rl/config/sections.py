@@ -463,6 +463,9 @@ class FaultsConfig(Section):
     disk_full_at: Positive | None = None
     """The checkpoint of this step fails with ENOSPC after cutting the learner's tensor file in
     half, as a disk that filled up during the write would."""
+    slow_driver_s: Annotated[float, Field(ge=0)] = 0.0
+    """Async mode: the driver's bookkeeping of every step takes this many seconds longer (the
+    learner trains the next step meanwhile: learner/between_steps_seconds stays small)."""
 
     def active(self) -> dict[str, Any]:
         """The faults that are set, by name (empty: fault injection is off)."""

@@ -123,6 +123,8 @@ class Learner:
         self.last_groups: list[TrajectoryGroup] = []
         """The groups of the last step, trained or not (for rl/observe/trajlog.py's records)."""
         self.generator = torch.Generator().manual_seed(seed)  # micro-batch order
+        self.last_end: float | None = None
+        """When the last step ended (perf_counter): learner/between_steps_seconds."""
 
     def read_batch(self) -> tuple[list[str], list[TrajectoryGroup]]:
         """Exactly `tasks_per_step` groups, or StreamTimeout after `read_timeout_s` of silence:
@@ -156,6 +158,7 @@ class Learner:
     def step(self) -> dict[str, float]:
         """Read a batch, update, ack: one optimizer step and one new policy version."""
         start = time.perf_counter()
+        between = None if self.last_end is None else start - self.last_end
         self.ledger = new_entry()
         wait = time.perf_counter()
         entry_ids, groups = self.read_batch() if self.shard.leader else ([], [])
@@ -193,6 +196,10 @@ class Learner:
                 "learner/nonfinite_in_a_row": float(self.nonfinite_in_a_row),
             }
         )
+        metrics["learner/started_at"] = time.time() - (time.perf_counter() - start)  # unix s
+        if between is not None:  # exports, pushes, the driver's bookkeeping (sync: the rollouts)
+            metrics["learner/between_steps_seconds"] = between
+        self.last_end = time.perf_counter()
         return metrics
 
     def _count_nonfinite(self, skipped: bool) -> None:

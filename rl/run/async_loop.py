@@ -13,7 +13,9 @@ the slowest episode.
     settle push k-1 (it travelled while
       step k trained); start push k
       (staged by the workers); publish
-      the learner version
+      the learner version; start step k+1
+      (no barrier) unless step k saves or
+      evaluates
     metrics, ledger line, checkpoint (then
       trim the consumed stream entries and
       the finished books: rollout/books.py)
@@ -33,6 +35,7 @@ import numpy as np
 import ray
 from tqdm import tqdm
 
+from rl import faults
 from rl.learner.checkpoint import read_json
 from rl.learner.group_ids import GroupIds
 from rl.observe.evaluate import EVAL_SEED_OFFSET
@@ -92,20 +95,26 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
     tail.on_checkpoint = lambda path: trim_at_checkpoint(client, keys, path)
     fleet = Fleet(learner, workers, client, keys, cfg.weights)
     late: list = []  # workers' counters asked for and not answered yet: read at a later step
+    ahead = None  # the next learner step, started before this step's bookkeeping
+    limit = cfg.metrics.trajectories
     last = time.perf_counter()
     try:
         for step in range(state.step + 1, t.steps + 1):
             _check_serving(serving)
             feeder.top_up(version=step - 1)
-            metrics, entry, records = _learner_step(learner, serving, cfg.metrics.trajectories)
+            metrics, entry, records = _learner_step(learner, serving, limit, ahead)
             asked = [*late, *((i, w.drain.remote()) for i, w in enumerate(workers))]
-            tail.write_records(step, entry, records)
             metrics.update(fleet.settle())  # push step-1 travelled while this step trained
             publish = time.perf_counter()
             metrics.update(fleet.start())
             publish = time.perf_counter() - publish
             client.set(keys.learner_version, step)
             feeder.top_up(version=step)
+            # no barrier: the learner trains step+1 while the driver books this one, unless
+            # this step saves a checkpoint or evaluates (those need the learner as it is now)
+            ahead = None if tail.pauses_after(step) else learner.step_with_records.remote(limit)
+            tail.write_records(step, entry, records)
+            faults.slow_driver(cfg.testing.faults)  # testing.faults (rl/faults.py)
             now = time.perf_counter()
             seconds, last = now - last, now
             metrics.update(_worker_metrics(len(workers), asked, seconds, late))
@@ -150,11 +159,11 @@ def _check_serving(serving: list) -> None:
         raise RuntimeError("a rollout worker stopped serving before the run ended")
 
 
-def _learner_step(learner, serving: list, limit: int) -> tuple[dict, dict, list]:
-    """learner.step() with its ledger entry and trajectory records, watching the workers
-    meanwhile: a serve loop that dies with an error (not a crash Ray restarts) fails the run now
-    instead of the learner timing out later."""
-    ref = learner.step_with_records.remote(limit)
+def _learner_step(learner, serving: list, limit: int, ahead=None) -> tuple[dict, dict, list]:
+    """learner.step() with its ledger entry and trajectory records (`ahead`: the step already
+    started), watching the workers meanwhile: a serve loop that dies with an error (not a crash
+    Ray restarts) fails the run now instead of the learner timing out later."""
+    ref = ahead if ahead is not None else learner.step_with_records.remote(limit)
     while True:
         ready, _ = ray.wait([ref, *serving], num_returns=1)
         if ref in ready:

@@ -95,12 +95,9 @@ class StepTail:
         self.bar.write(
             console_line(step, cfg.trainer.steps, metrics) + (f"\n!!! {alarm}" * bool(alarm))
         )
-        evals = cfg.eval.every
-        crossed = evals and self.state.step // evals > (step - 1) // evals  # a jump may skip one
-        if crossed and self.state.step < cfg.trainer.steps:
+        if self._evaluates(step, self.state.step):
             self.evaluate(step, stage)
-        every = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
-        if step == cfg.trainer.steps or every or checkpoint or skip_to:
+        if self._saves(step) or checkpoint or skip_to:
             path = save_checkpoint(
                 self.run_dir, self.state, self.learner, keep_last=cfg.checkpoint.keep_last
             )
@@ -109,6 +106,22 @@ class StepTail:
         if "rollout/success_rate" in metrics:
             self.bar.set_postfix(success=f"{metrics['rollout/success_rate']:.0%}")
         self.bar.update(self.state.step - step + 1)
+
+    def pauses_after(self, step: int) -> bool:
+        """Whether `finish(step)` will use the learner or the workers as they are after this
+        step (a checkpoint or an evaluation), so the next step must not start before it."""
+        return step >= self.cfg.trainer.steps or self._saves(step) or self._evaluates(step, step)
+
+    def _saves(self, step: int) -> bool:
+        every = self.cfg.checkpoint_every
+        return step == self.cfg.trainer.steps or bool(every and step % every == 0)
+
+    def _evaluates(self, step: int, reached: int) -> bool:
+        """An `eval.every` boundary crossed on the way from step - 1 to `reached` (a curriculum
+        jump may skip one), before the run's last step."""
+        evals = self.cfg.eval.every
+        crossed = evals and reached // evals > (step - 1) // evals
+        return bool(crossed) and reached < self.cfg.trainer.steps
 
     def evaluate(self, step: int, stage: int | None) -> None:
         """The held-out evaluation of `eval.every`, logged at `step` under the algorithm's

@@ -23,7 +23,16 @@ import redis
 from rollout.codec import decode_episode
 from rollout.keys import RunKeys
 from tests.chaos.books import account, check_books
-from tests.chaos.runs import CONFIG, K3, metrics, overrides, replayed_everywhere, start
+from tests.chaos.runs import (
+    CONFIG,
+    K3,
+    metrics,
+    overrides,
+    replayed_everywhere,
+    run_dir_of,
+    start,
+    train,
+)
 from tests.rl.test_e2e import ROOT, alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -124,3 +133,18 @@ def test_whole_job_sigkilled_then_resumed_loses_nothing(tmp_path, policy):
     check_books(account(run_dir), steps, f"whole job SIGKILLed, resumed ({policy})")
     if policy == "k3":
         assert not replayed_everywhere(metrics(run_dir)), resumed.stdout[-3000:]
+
+
+def test_the_learner_trains_the_next_step_while_the_driver_books_this_one(tmp_path):
+    """No barrier between async steps: with the driver's bookkeeping of every step made 1 s
+    longer (testing.faults.slow_driver_s), the learner starts step k + 1 before the driver has
+    logged step k, unless step k saved a checkpoint (step 3 of checkpoint_every=3): then it
+    starts after."""
+    proc = train([CONFIG, *overrides(tmp_path, steps=5), "testing.faults.slow_driver_s=1.0"])
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    records = {r["step"]: r for r in metrics(run_dir_of(tmp_path))}
+    assert sorted(records) == [1, 2, 3, 4, 5]
+    ahead = {k: records[k]["time"] - records[k + 1]["learner/started_at"] for k in range(1, 5)}
+    assert all(ahead[k] > 0.5 for k in (1, 2, 4)), ahead  # started during the 1 s of k
+    assert ahead[3] < 0, ahead  # after the checkpoint of step 3 was logged
+    assert all(records[k]["learner/between_steps_seconds"] >= 0 for k in range(2, 6))
