@@ -106,7 +106,8 @@ def find_board(run_id: str):
 def post_to_board(board, manifest: Manifest, refs: list) -> None:
     """The learner's post; a board that is down (restarting) misses this version only."""
     try:
-        ray.get(board.post.remote(manifest, refs))
+        held = [ray.put(manifest), *refs]  # nested refs: the board never deserializes them
+        ray.get(board.post.remote(manifest.version, held))
     except ray.exceptions.RayActorError as err:
         logger.warning(f"weight board unavailable; version {manifest.version} not posted: {err}")
 
@@ -114,7 +115,11 @@ def post_to_board(board, manifest: Manifest, refs: list) -> None:
 def fetch_from_board(board) -> tuple[Manifest, list] | None:
     """The latest post, or None when the board is empty or down (the worker waits for a push)."""
     try:
-        return ray.get(board.get.remote())
+        latest = ray.get(board.get.remote())
     except ray.exceptions.RayActorError as err:
         logger.warning(f"weight board unavailable; waiting for the next push: {err}")
         return None
+    if latest is None:
+        return None
+    _, (manifest, *refs) = latest
+    return ray.get(manifest), refs

@@ -232,10 +232,9 @@ def test_a_push_missed_by_a_restarted_worker_is_forgiven_and_others_are_not(loca
 def test_the_weight_board_keeps_the_newest_post_only():
     board = WeightBoard()
     assert board.get() is None
-    manifest = make_manifest(3, {"w": np.zeros(4, dtype=np.float32)}, bucket_mb=1)
-    board.post(manifest, ["refs-3"])
-    board.post(make_manifest(2, {"w": np.ones(4, dtype=np.float32)}, bucket_mb=1), ["refs-2"])
-    assert board.get() == (manifest, ["refs-3"])  # a late, older post never wins
+    board.post(3, ["manifest-3", "refs-3"])
+    board.post(2, ["manifest-2", "refs-2"])
+    assert board.get() == (3, ["manifest-3", "refs-3"])  # a late, older post never wins
 
 
 def test_checksums_are_per_tensor_digests_combined_and_taken_once(tiny_model, monkeypatch):
