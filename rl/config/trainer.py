@@ -165,7 +165,10 @@ class TrainerConfig(Section):
     max_staleness: int = Field(1, ge=0)
     """async: tasks are released to the workers only while
     started groups < (learner version + max_staleness + 1) x tasks per step (admission control:
-    generation pauses; nothing is ever discarded for being old or long)."""
+    generation pauses; nothing is ever discarded for being old or long). Where tool calls take
+    seconds, raise it: on a long-tail workload (0.2 s tools, 2 s on a tenth of the tasks, 2 CPUs)
+    the learner waited 9-12% of the run at 2 and 5-8% at 3, at the cost of samples one version
+    older (docs/benchmarks.md, "Async vs sync")."""
 
     @property
     def ray_resources(self) -> dict[str, float]:
