@@ -37,6 +37,7 @@ from policy.k3.cache import K3Cache
 from policy.k3.engine.plan import DecodePlan, ExpertsPlan, KDAPlan, MLAPlan, MLPPlan
 from policy.k3.flash import flash_attention
 from policy.k3.kda import kda_chunked
+from policy.k3.situ import scaled_tanh
 
 KDA_CHUNK = 32  # kda_chunked's chunk for unbounded gates (faster than 64 on CPU at K = 32)
 FACTORED_CHUNK = 16  # kda_factored's chunk: the in-chunk log decay stays within FACTORED_SPAN
@@ -305,8 +306,8 @@ def _mla_out(p: MLAPlan, o_NX: Tensor, gate_NX: Tensor) -> Tensor:
 def _situ(gate_up_NF: Tensor, inv_beta: float | None, capped_up: bool) -> Tensor:
     """SiTU-GLU hidden activation with the output scales folded away (see plan.py)."""
     gate_NF, up_NF = gate_up_NF.chunk(2, dim=-1)
-    capped_NF = gate_NF if inv_beta is None else torch.tanh(gate_NF * inv_beta)
-    return capped_NF * torch.sigmoid(gate_NF) * (torch.tanh(up_NF) if capped_up else up_NF)
+    capped_NF = gate_NF if inv_beta is None else scaled_tanh(gate_NF, inv_beta)
+    return capped_NF * torch.sigmoid(gate_NF) * (scaled_tanh(up_NF) if capped_up else up_NF)
 
 
 def _mlp(p: MLPPlan, x_ND: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from policy.k3.situ import SituGLU, situ, situ_glu, situ_glu_reference
+from policy.k3.situ import SituGLU, scaled_tanh, situ, situ_glu, situ_glu_reference
 
 BETA, LINEAR_BETA = 4.0, 25.0
 
@@ -22,6 +22,25 @@ def test_situ_bounds_on_a_wide_grid():
     assert abs(s_fine.min().item() + 0.2700) < 1e-3
     assert abs(fine[s_fine.argmin()].item() + 1.22) < 0.02
     assert s_fine.min() > F.silu(fine).min()
+
+
+def test_scaled_tanh_is_tanh_within_float32_rounding():
+    # the fast form (2 sigmoid(2x) - 1) below float64, torch.tanh in float64
+    x = torch.cat([
+        torch.linspace(-60, 60, 100_001, dtype=torch.float64),
+        torch.logspace(-30, 3, 2_000, dtype=torch.float64),
+        -torch.logspace(-30, 3, 2_000, dtype=torch.float64),
+        torch.tensor([0.0, float("inf"), -float("inf")], dtype=torch.float64),
+    ])  # fmt: skip
+    for scale in (1.0, 1 / BETA, 1 / LINEAR_BETA):
+        want = torch.tanh(x * scale)
+        assert torch.equal(scaled_tanh(x, scale), want)
+        got = scaled_tanh(x.float(), scale)
+        assert got.dtype == torch.float32 and got.abs().max() <= 1.0
+        assert (got.double() - want).abs().max() < 2.5e-7
+        assert torch.equal(got[x.abs() > 60 / scale].sign(), want[x.abs() > 60 / scale].sign())
+        bf = scaled_tanh(x.bfloat16(), scale)
+        assert (bf.double() - want).abs().max() < 1e-2
 
 
 def test_hidden_activation_is_bounded_by_beta_times_linear_beta():
