@@ -60,14 +60,71 @@ def attn_res(
     """Mix `blocks` ([B, T, D] each) and `partial_BTD` with softmax weights over sources.
 
     proj_weight: [1, D] or [D]; norm_weight_D: [D]. Token-local: no mixing along B or T.
-    Computes in (at least) fp32 and returns partial's dtype.
+    Computes in (at least) fp32 and returns partial's dtype. The same function as
+    `attn_res_reference`, per source and with a hand-written backward (no [B, T, J, D] stack,
+    no normalised copy of the sources: about half the time of the reference's autograd).
     """
+    dtype = torch.promote_types(partial_BTD.dtype, torch.float32)
+    query_D = norm_weight_D.to(dtype) * proj_weight.to(dtype).reshape(-1)
+    sources = [v.to(dtype) for v in (*blocks, partial_BTD)]
+    return _SourceMix.apply(query_D, eps, *sources).to(partial_BTD.dtype)
+
+
+@full_precision
+def attn_res_reference(
+    partial_BTD: Tensor,
+    blocks: list[Tensor],
+    proj_weight: Tensor,
+    norm_weight_D: Tensor,
+    eps: float,
+) -> Tensor:
+    """`attn_res` written as the reference's pseudocode reads (sec. 4.3), for parity tests."""
     dtype = torch.promote_types(partial_BTD.dtype, torch.float32)
     values_BTJD = torch.stack([*blocks, partial_BTD], dim=-2).to(dtype)
     keys_BTJD = values_BTJD * torch.rsqrt(values_BTJD.pow(2).mean(-1, keepdim=True) + eps)
     query_D = norm_weight_D.to(dtype) * proj_weight.to(dtype).reshape(-1)
     weights_BTJ = torch.softmax(keys_BTJD @ query_D, dim=-1)
     return (weights_BTJ[..., None] * values_BTJD).sum(-2).to(partial_BTD.dtype)
+
+
+class _SourceMix(torch.autograd.Function):
+    """out = sum_j w_j V_j, w = softmax_j(l), l_j = (V_j . q) r_j, r_j = rsqrt(mean(V_j^2) + eps).
+
+    Backward, with G = dL/dout and s_j = G . V_j:
+        dl_j = w_j (s_j - sum_k w_k s_k)
+        dV_j = w_j G + dl_j r_j q - dl_j (V_j . q) r_j^3 / D V_j
+        dq   = sum over tokens and j of dl_j r_j V_j
+    """
+
+    @staticmethod
+    def forward(ctx, query_D: Tensor, eps: float, *sources: Tensor) -> Tensor:
+        dots, inv_rms = [], []
+        for v_BTD in sources:
+            norm_BT = torch.linalg.vector_norm(v_BTD, dim=-1)
+            inv_rms.append(torch.rsqrt(norm_BT * norm_BT / v_BTD.shape[-1] + eps))
+            dots.append(v_BTD @ query_D)
+        dot_BTJ, inv_rms_BTJ = torch.stack(dots, -1), torch.stack(inv_rms, -1)
+        w_BTJ = torch.softmax(dot_BTJ * inv_rms_BTJ, -1)
+        out_BTD = sources[0] * w_BTJ[..., :1]
+        for j in range(1, len(sources)):
+            out_BTD = out_BTD.addcmul_(sources[j], w_BTJ[..., j : j + 1])
+        ctx.save_for_backward(query_D, dot_BTJ, inv_rms_BTJ, w_BTJ, *sources)
+        return out_BTD
+
+    @staticmethod
+    def backward(ctx, grad_BTD: Tensor):
+        query_D, dot_BTJ, inv_rms_BTJ, w_BTJ, *sources = ctx.saved_tensors
+        s_BTJ = torch.stack([(grad_BTD * v_BTD).sum(-1) for v_BTD in sources], -1)
+        dl_BTJ = w_BTJ * (s_BTJ - (w_BTJ * s_BTJ).sum(-1, keepdim=True))
+        along_q_BTJ = dl_BTJ * inv_rms_BTJ  # coefficient of q in dV_j, and of V_j in dq
+        along_v_BTJ = along_q_BTJ * dot_BTJ * inv_rms_BTJ.square() / query_D.shape[0]
+        grads, dq_D = [], torch.zeros_like(query_D)
+        for j, v_BTD in enumerate(sources):
+            g_BTD = grad_BTD * w_BTJ[..., j, None]
+            g_BTD.addcmul_(along_q_BTJ[..., j, None], query_D)
+            grads.append(g_BTD.addcmul_(along_v_BTJ[..., j, None], v_BTD, value=-1.0))
+            dq_D += along_q_BTJ[..., j].reshape(-1) @ v_BTD.reshape(-1, v_BTD.shape[-1])
+        return (dq_D, None, *grads)
 
 
 @dataclass(frozen=True)

@@ -470,11 +470,12 @@ def learner_keys(
     """Bytes per earlier key of the MLA layers in the learner's backward. As built (mla.py
     `choose_form`: a later segment attends over the latents, absorbed): `all_layers`, what every
     MLA layer of the checkpointed segment saves per earlier key beyond the chunks it reads in
-    place (measured: segment_rates; about 0), plus `one_layer`: under a dtype narrower than
-    float32, the fp32 gradients of the latents and of their c_kv slice in the blockwise
-    backward of one layer at a time ((L + R) * 4), cast into the chunks' own gradients; in
-    float32 those buffers are handed to the chunks as their gradients (flash.py returns one per
-    chunk), so they are the carry's latent gradients and add nothing (k3-debug, measured:
+    place (measured: segment_rates; about 0), plus `one_layer`: the fp32 gradients of the
+    latents and of their c_kv slice that the blockwise backward of one layer allocates for every
+    earlier chunk ((L + R) * 4, flash.py `_backward`). They are new buffers in every dtype:
+    autograd adds them into the gradients the chunks already hold from the later segments, so
+    both are alive while the layer's backward runs (in float32 too: k3-debug's peak live bytes
+    grow by 1,056 per token at 1K-8K tokens, 160 of them these buffers;
     tests/test_scale_plan.py). design=True (not built: one layer checkpoint at a time, the
     latents read in place): one layer holds the latents (L values) and their fp32 gradients
     (L + R values)."""
@@ -483,8 +484,7 @@ def learner_keys(
     if design:
         out = {"all_layers": 0.0, "one_layer": latent * _item(dtype) + grads}
     else:
-        narrower = _item(dtype) < 4
         out = {"all_layers": rates["mla_layers"] * rates["mla_past_per_key_per_layer"],
-               "one_layer": grads if narrower else 0.0}  # fmt: skip
+               "one_layer": grads}  # fmt: skip
     out["total"] = out["all_layers"] + out["one_layer"]
     return out
