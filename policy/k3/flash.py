@@ -21,7 +21,10 @@ head ([B, S, K], [B, S, V]: the absorbed form over the latent cache; v may be a 
 Either may come as a sequence of chunks along S (the same lengths for k and v: the latents of a
 segmented learner's earlier segments, policy/k3/segments.py), attended as if concatenated with
 no copy made: each chunk is cut into its own key blocks (none straddles two chunks) and gets its
-own gradient. Block math runs in (at least) float32; the output has q's dtype.
+own gradient. Where every v chunk is the first V columns of its k chunk (the same memory: the
+absorbed form's c_kv, the head of the latent), the backward adds dv into dk's first V columns:
+one fp32 gradient buffer per chunk instead of two, and none for autograd to scatter back.
+Block math runs in (at least) float32; the output has q's dtype.
 
 Letters: B batch, T queries, S keys, H heads, K query/key width, V value width, I query block,
 J key block.
@@ -66,10 +69,22 @@ def flash_attention(
     assert sizes == tuple(v.shape[1] for v in vs), "k and v chunks of the same lengths"
     if key_mask_BS is not None and bool(key_mask_BS.all()):
         key_mask_BS = None
-    shape = _Shape(offset, block_q, block_k, ks[0].dim() == 3, sizes)
+    shape = _Shape(offset, block_q, block_k, ks[0].dim() == 3, sizes, _prefix_width(ks, vs))
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q_BTHK, *ks, *vs)):
-        return _FlashAttention.apply(key_mask_BS, scale, shape, q_BTHK, *ks, *vs)
+        values = () if shape.prefix else vs  # prefix values: read from the keys inside
+        return _FlashAttention.apply(key_mask_BS, scale, shape, q_BTHK, *ks, *values)
     return _forward(q_BTHK, ks, vs, key_mask_BS, scale, shape)[0]
+
+
+def _prefix_width(ks: tuple[Tensor, ...], vs: tuple[Tensor, ...]) -> int | None:
+    """V if every v chunk is the first V columns of its k chunk (shared keys [B, S, K], the
+    same memory, dtype and strides), else None."""
+    width = vs[0].shape[-1]
+    for k, v in zip(ks, vs, strict=True):
+        same = k.dim() == v.dim() == 3 and v.data_ptr() == k.data_ptr() and v.dtype == k.dtype
+        if not (same and v.stride() == k.stride() and v.shape == (*k.shape[:-1], width)):
+            return None
+    return width if width < ks[0].shape[-1] else None
 
 
 class _Shape:
@@ -77,9 +92,16 @@ class _Shape:
     or per-head keys) applies."""
 
     def __init__(
-        self, offset: int, block_q: int, block_k: int, shared: bool, sizes: tuple[int, ...]
+        self,
+        offset: int,
+        block_q: int,
+        block_k: int,
+        shared: bool,
+        sizes: tuple[int, ...],
+        prefix: int | None = None,
     ) -> None:
         self.offset, self.block_q, self.block_k, self.sizes = offset, block_q, block_k, sizes
+        self.prefix = prefix  # values = the keys' first `prefix` columns (_prefix_width)
         ks = "s" if shared else "sh"
         self.qk = f"bthk,b{ks}k->bths"  # scores [B, I, H, J]
         self.pv = f"bths,b{ks}v->bthv"
@@ -182,7 +204,10 @@ def _backward(q_BTHK, ks, vs, key_mask_BS, scale, shape, o_BTHV, lse_BTH, do_BTH
     delta_BTH = (do_BTHV * o_BTHV.to(acc)).sum(-1)
     dq_BTHK = torch.zeros_like(q_BTHK, dtype=acc)
     dks = [torch.zeros_like(k_BSX, dtype=acc) for k_BSX in ks]
-    dvs = [torch.zeros_like(v_BSX, dtype=acc) for v_BSX in vs]
+    if shape.prefix:  # dv accumulates into dk's first columns (views)
+        dvs = [dk_BSX[..., : shape.prefix] for dk_BSX in dks]
+    else:
+        dvs = [torch.zeros_like(v_BSX, dtype=acc) for v_BSX in vs]
     for t0, t1, key_blocks in shape.blocks(q_BTHK.shape[1]):
         q_BIHK, do_BIHV = q_BTHK[:, t0:t1].to(acc), do_BTHV[:, t0:t1]
         lse_BIH1, delta_BIH1 = lse_BTH[:, t0:t1, :, None], delta_BTH[:, t0:t1, :, None]
@@ -195,18 +220,19 @@ def _backward(q_BTHK, ks, vs, key_mask_BS, scale, shape, o_BTHV, lse_BTH, do_BTH
             dq_BTHK[:, t0:t1] += torch.einsum(shape.dq, ds_BIHJ, keys.of(ks).to(acc))
             keys.of(dks).add_(torch.einsum(shape.dk, ds_BIHJ, q_BIHK))
     dks = tuple(dk.to(k.dtype) for dk, k in zip(dks, ks, strict=True))
-    dvs = tuple(dv.to(v.dtype) for dv, v in zip(dvs, vs, strict=True))
+    dvs = () if shape.prefix else tuple(dv.to(v.dtype) for dv, v in zip(dvs, vs, strict=True))
     return dq_BTHK.to(q_BTHK.dtype), dks, dvs
 
 
 class _FlashAttention(torch.autograd.Function):
     """Saves q, the k and v chunks, o and lse (no block intermediates); the backward recomputes
     the blocks. Inputs: key_mask, scale, shape, q, the k chunks, then the v chunks (each chunk
-    its own argument, so that autograd hands each its own gradient)."""
+    its own argument, so that autograd hands each its own gradient; none with `shape.prefix`:
+    the values are the keys' first columns, and their gradient goes into the keys')."""
 
     @staticmethod
     def forward(ctx, key_mask_BS, scale, shape: _Shape, q_BTHK, *chunks):
-        ks, vs = chunks[: len(shape.sizes)], chunks[len(shape.sizes) :]
+        ks, vs = _split(chunks, shape)
         o_BTHV, lse_BTH = _forward(q_BTHK, ks, vs, key_mask_BS, scale, shape)
         ctx.save_for_backward(q_BTHK, *chunks, o_BTHV, lse_BTH)
         ctx.key_mask_BS, ctx.scale, ctx.shape = key_mask_BS, scale, shape
@@ -215,8 +241,16 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_BTHV):
         q_BTHK, *chunks, o_BTHV, lse_BTH = ctx.saved_tensors
-        ks, vs = chunks[: len(ctx.shape.sizes)], chunks[len(ctx.shape.sizes) :]
+        ks, vs = _split(chunks, ctx.shape)
         dq, dks, dvs = _backward(
             q_BTHK, ks, vs, ctx.key_mask_BS, ctx.scale, ctx.shape, o_BTHV, lse_BTH, do_BTHV
         )
         return (None, None, None, dq, *dks, *dvs)
+
+
+def _split(chunks, shape: _Shape) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """(k chunks, v chunks) from _FlashAttention's chunk arguments."""
+    ks = tuple(chunks[: len(shape.sizes)])
+    if shape.prefix:
+        return ks, tuple(k_BSX[..., : shape.prefix] for k_BSX in ks)
+    return ks, tuple(chunks[len(shape.sizes) :])

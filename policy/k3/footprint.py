@@ -470,19 +470,21 @@ def learner_keys(
     """Bytes per earlier key of the MLA layers in the learner's backward. As built (mla.py
     `choose_form`: a later segment attends over the latents, absorbed): `all_layers`, what every
     MLA layer of the checkpointed segment saves per earlier key beyond the chunks it reads in
-    place (measured: segment_rates; about 0), plus `one_layer`: the fp32 gradients of the
-    latents and of their c_kv slice that the blockwise backward of one layer allocates for every
-    earlier chunk ((L + R) * 4, flash.py `_backward`). They are new buffers in every dtype:
-    autograd adds them into the gradients the chunks already hold from the later segments, so
-    both are alive while the layer's backward runs (in float32 too: k3-debug's peak live bytes
-    grow by 1,056 per token at 1K-8K tokens, 160 of them these buffers;
+    place (measured: segment_rates; about 0), plus `one_layer`: the fp32 gradient of the
+    latents that the blockwise backward of one layer allocates for every earlier chunk
+    (L * 4, flash.py `_backward`; the c_kv slice's gradient is added into its first R columns).
+    They are new buffers in every dtype: autograd adds them into the gradients the chunks
+    already hold from the later segments, so both are alive while the layer's backward runs
+    (in float32 too: k3-debug's peak live bytes grow by 992 per token at 1K-8K tokens, 96 of
+    them these buffers; 1,056 with a separate c_kv gradient buffer before 2026-12-06;
     tests/test_scale_plan.py). design=True (not built: one layer checkpoint at a time, the
     latents read in place): one layer holds the latents (L values) and their fp32 gradients
-    (L + R values)."""
+    (L + R values: the design's kernel keeps a separate c_kv gradient)."""
     latent = config.kv_lora_rank + config.qk_rope_head_dim
-    grads = (latent + config.kv_lora_rank) * 4
+    grads = latent * 4
     if design:
-        out = {"all_layers": 0.0, "one_layer": latent * _item(dtype) + grads}
+        design_grads = (latent + config.kv_lora_rank) * 4
+        out = {"all_layers": 0.0, "one_layer": latent * _item(dtype) + design_grads}
     else:
         out = {"all_layers": rates["mla_layers"] * rates["mla_past_per_key_per_layer"],
                "one_layer": grads}  # fmt: skip

@@ -20,7 +20,7 @@ from policy.k3 import mla as mla_module
 from policy.k3.engine import decode as k3_decode
 from policy.k3.engine.decode import forward_tokens
 from policy.k3.engine.plan import build_plan
-from policy.k3.flash import flash_attention
+from policy.k3.flash import _prefix_width, flash_attention
 from policy.k3.mla import _masked_softmax, fused_causal_attention
 from tests.policy.k3.test_engine import make_model
 from tests.policy.k3.test_mla import hidden, make_mla
@@ -79,6 +79,29 @@ def test_flash_attention_without_grad_and_with_a_value_slice_of_the_keys():
         ref = dense_attention(q, k, k[..., :4], scale=0.5, offset=14,
                               key_mask_BS=torch.ones(k.shape[:2], dtype=torch.bool))  # fmt: skip
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+
+
+def test_values_that_are_the_keys_first_columns_share_the_keys_gradient():
+    """MLA's absorbed form passes c_kv = latent[..., :R]: recognised as a prefix of the keys
+    (one gradient buffer per chunk, dv added into dk's first columns), with the same output and
+    gradients as a separate copy of the values, float64."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 9, 3, 6, generator=gen, dtype=F64, requires_grad=True)
+    k = torch.randn(2, 12, 6, generator=gen, dtype=F64, requires_grad=True)
+    assert _prefix_width((k,), (k[..., :4],)) == 4
+    assert _prefix_width((k,), (k[..., :4].clone(),)) is None  # other memory
+    assert _prefix_width((k,), (k[..., 2:],)) is None  # not the first columns
+    assert _prefix_width((k,), (k,)) is None  # the whole keys: the plain path
+    kwargs = {"scale": 0.5, "offset": 3, "block_q": 4, "block_k": 4}
+    out = flash_attention(q, k, k[..., :4], **kwargs)
+    k2, v2 = k.detach().clone().requires_grad_(), k.detach()[..., :4].clone().requires_grad_()
+    ref = flash_attention(q, k2, v2, **kwargs)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    weight = torch.randn(out.shape, generator=gen, dtype=F64)
+    dq, dk = torch.autograd.grad((out * weight).sum(), (q, k))
+    dq2, dk2, dv2 = torch.autograd.grad((ref * weight).sum(), (q, k2, v2))
+    torch.testing.assert_close(dq, dq2, atol=1e-12, rtol=0)
+    torch.testing.assert_close(dk, dk2 + torch.nn.functional.pad(dv2, (0, 2)), atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("form", ["shared", "per-head", "value slice"])
