@@ -36,7 +36,7 @@ from policy.k3.attn_res import closes_block
 from policy.k3.cache import K3Cache
 from policy.k3.engine.plan import DecodePlan, ExpertsPlan, KDAPlan, MLAPlan, MLPPlan
 from policy.k3.flash import flash_attention
-from policy.k3.kda import kda_chunked
+from policy.k3.kda import kda_chunked, unit_lower_solve
 from policy.k3.situ import scaled_tanh
 
 KDA_CHUNK = 32  # kda_chunked's chunk for unbounded gates (faster than 64 on CPU at K = 32)
@@ -244,7 +244,7 @@ def kda_factored(q, k, v, g, beta, state_BHKV: Tensor, mask_BT: Tensor | None, c
     L_BHNCC = (k_scaled @ k_inv_t) * beta_BHNC1  # diagonal and above unused (unitriangular)
     Aqk_BHNCC = (q_scaled @ k_inv_t).tril()
     rhs = torch.cat([k_scaled, v_], -1) * beta_BHNC1
-    wu = torch.linalg.solve_triangular(L_BHNCC, rhs, upper=False, unitriangular=True)
+    wu = unit_lower_solve(L_BHNCC, rhs)
     w_BHNCK, u_BHNCV = wu.split([dim, v.shape[-1]], -1)
     last_BHN1K = decay_BHNCK[..., -1:, :]
     kd_t_BHNKC = k_inv_t * last_BHN1K.transpose(-1, -2)
