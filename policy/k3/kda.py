@@ -286,6 +286,16 @@ def decayed_grams(
     return A_BHNJPSJS.transpose(-5, -4).reshape(*a_BHNPCK.shape[:-1], size)
 
 
+def one_block_grams(left_BHNPCK: Tensor, right_BHNCK: Tensor) -> Tensor:
+    """`decayed_grams` with one row block (sub = C) already factored: left = a exp(gam),
+    right = b exp(-gam) (<= e^FACTOR_RANGE, which `_sub_block` checked); A = left right^T, causal.
+    """
+    size, num_ops = right_BHNCK.shape[-2], left_BHNPCK.shape[-3]
+    A_BHNRC = left_BHNPCK.flatten(-3, -2) @ right_BHNCK.transpose(-1, -2)
+    causal_CC = torch.ones(size, size, dtype=A_BHNRC.dtype, device=A_BHNRC.device).tril()
+    return A_BHNRC.unflatten(-2, (num_ops, size)) * causal_CC
+
+
 def _block_starts(gam_BHNJSK: Tensor) -> Tensor:
     """The cumulative log decay just before each row block (0 for the first): [B, H, N, J, K]."""
     return torch.cat([torch.zeros_like(gam_BHNJSK[..., :1, 0, :]), gam_BHNJSK[..., :-1, -1, :]], -2)
@@ -368,13 +378,18 @@ def kda_chunked(
     gam_BHNCK = g_BHNCK.cumsum(dim=-2)
 
     qs_BHNCK = q_BHNCK * scale
+    decay_BHNCK = _decay_exp(gam_BHNCK)  # from the chunk start to each token
+    kE_BHNCK, qE_BHNCK = k_BHNCK * decay_BHNCK, qs_BHNCK * decay_BHNCK
     sub, factored = _sub_block(gam_BHNCK, chunk)
-    kq_BHN2CK = torch.stack([k_BHNCK, qs_BHNCK], -3)
-    A_BHN2CC = decayed_grams(kq_BHN2CK, k_BHNCK, gam_BHNCK, sub, factored=factored)
+    if sub == chunk:  # one row block, factored: the products with exp(gam) serve three uses
+        kinv_BHNCK = k_BHNCK * _decay_exp(-gam_BHNCK, ceiling=FACTOR_RANGE)
+        A_BHN2CC = one_block_grams(torch.stack([kE_BHNCK, qE_BHNCK], -3), kinv_BHNCK)
+    else:
+        kq_BHN2CK = torch.stack([k_BHNCK, qs_BHNCK], -3)
+        A_BHN2CC = decayed_grams(kq_BHN2CK, k_BHNCK, gam_BHNCK, sub, factored=factored)
     # diagonal of L is ignored by the unit-triangular solve: L is the strictly lower part
     L_BHNCC, Aqk_BHNCC = beta_BHNC[..., None] * A_BHN2CC[..., 0, :, :], A_BHN2CC[..., 1, :, :]
-    decay_BHNCK = _decay_exp(gam_BHNCK)  # from the chunk start to each token
-    rhs = beta_BHNC[..., None] * torch.cat([k_BHNCK * decay_BHNCK, v_BHNCV], dim=-1)
+    rhs = beta_BHNC[..., None] * torch.cat([kE_BHNCK, v_BHNCV], dim=-1)
     wu = unit_lower_solve(L_BHNCC, rhs)
     w_BHNCK, u_BHNCV = wu.split([key_dim, v.shape[-1]], dim=-1)
 
@@ -385,7 +400,7 @@ def kda_chunked(
         *(x.permute(2, 0, 1, 3, 4) for x in (w_BHNCK, u_BHNCV, kd_BHNCK)),
         _decay_exp(gam_last_BHN1K[..., 0, :]).permute(2, 0, 1, 3),
     )
-    o_BHNCV = (qs_BHNCK * decay_BHNCK) @ S_BHNKV + Aqk_BHNCC @ vnew_BHNCV
+    o_BHNCV = qE_BHNCK @ S_BHNKV + Aqk_BHNCC @ vnew_BHNCV
     batch, heads, num_chunks = o_BHNCV.shape[:3]
     o_BHTV = o_BHNCV.reshape(batch, heads, num_chunks * chunk, -1)
     o_BTHV = o_BHTV.transpose(1, 2)[:, :length].contiguous()  # the norm and o_proj read [B, T]

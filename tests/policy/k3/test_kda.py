@@ -377,10 +377,11 @@ def test_row_blocks_as_large_as_the_decay_allows_and_equal_to_recurrent(
     monkeypatch, mildness, want_sub
 ):
     """`_sub_block`: a mild decay (a 64-token chunk decays by less than e^-40) takes the whole
-    chunk as one block of the Gram, the strong test gate 8-token blocks; both equal the loop."""
+    chunk as one block of the Gram (`one_block_grams`), the strong test gate 8-token blocks
+    (`decayed_grams`); both equal the loop."""
     subs = []
-    grams = kda.decayed_grams
-    monkeypatch.setattr(kda, "decayed_grams", lambda *a, **kw: subs.append(a[3]) or grams(*a, **kw))
+    pick = kda._sub_block
+    monkeypatch.setattr(kda, "_sub_block", lambda *a: subs.append(pick(*a)[0]) or pick(*a))
     q, k, v, g, beta, h0 = make_inputs(T=150, seed=11)
     inputs = (q, k, v, g * mildness, beta, h0)
     o_ref, s_ref, grads_ref = run_with_grads(kda_recurrent, inputs)
