@@ -393,12 +393,16 @@ def kda_chunked(
     wu = unit_lower_solve(L_BHNCC, rhs)
     w_BHNCK, u_BHNCV = wu.split([key_dim, v.shape[-1]], dim=-1)
 
-    gam_last_BHN1K = gam_BHNCK[..., -1:, :]
-    kd_BHNCK = k_BHNCK * _decay_exp(gam_last_BHN1K - gam_BHNCK)
+    last_BHN1K = decay_BHNCK[..., -1:, :]  # the whole chunk's decay
+    if sub == chunk:  # exp(gam_last - gam) = exp(gam_last) exp(-gam), both in range
+        kd_BHNCK = kinv_BHNCK * last_BHN1K
+    else:
+        gam_last_BHN1K = gam_BHNCK[..., -1:, :]
+        kd_BHNCK = k_BHNCK * _decay_exp(gam_last_BHN1K - gam_BHNCK)
     S_BHNKV, vnew_BHNCV, S_BHKV = _state_scan(
         S_BHKV,
         *(x.permute(2, 0, 1, 3, 4) for x in (w_BHNCK, u_BHNCV, kd_BHNCK)),
-        _decay_exp(gam_last_BHN1K[..., 0, :]).permute(2, 0, 1, 3),
+        last_BHN1K[..., 0, :].permute(2, 0, 1, 3),
     )
     o_BHNCV = qE_BHNCK @ S_BHNKV + Aqk_BHNCC @ vnew_BHNCV
     batch, heads, num_chunks = o_BHNCV.shape[:3]
