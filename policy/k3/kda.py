@@ -381,7 +381,8 @@ def kda_chunked(
     decay_BHNCK = _decay_exp(gam_BHNCK)  # from the chunk start to each token
     kE_BHNCK, qE_BHNCK = k_BHNCK * decay_BHNCK, qs_BHNCK * decay_BHNCK
     sub, factored = _sub_block(gam_BHNCK, chunk)
-    if sub == chunk:  # one row block, factored: the products with exp(gam) serve three uses
+    one_block = sub == chunk and bool(factored)  # (chunk <= 8 comes back unchecked: None)
+    if one_block:  # one row block, factored: the products with exp(gam) serve three uses
         kinv_BHNCK = k_BHNCK * _decay_exp(-gam_BHNCK, ceiling=FACTOR_RANGE)
         A_BHN2CC = one_block_grams(torch.stack([kE_BHNCK, qE_BHNCK], -3), kinv_BHNCK)
     else:
@@ -394,7 +395,7 @@ def kda_chunked(
     w_BHNCK, u_BHNCV = wu.split([key_dim, v.shape[-1]], dim=-1)
 
     last_BHN1K = decay_BHNCK[..., -1:, :]  # the whole chunk's decay
-    if sub == chunk:  # exp(gam_last - gam) = exp(gam_last) exp(-gam), both in range
+    if one_block:  # exp(gam_last - gam) = exp(gam_last) exp(-gam), both in range
         kd_BHNCK = kinv_BHNCK * last_BHN1K
     else:
         gam_last_BHN1K = gam_BHNCK[..., -1:, :]

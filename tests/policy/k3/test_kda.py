@@ -85,7 +85,7 @@ def test_long_sequence_strong_decay_is_chunk_size_independent(gate):
     else:
         g = kda_gate_softplus(f, torch.tensor([3.0]), torch.zeros(4)).to(F64)
     o_ref, s_ref = kda_recurrent(q, k, v, g, beta, scale=0.5, initial_state=h0)
-    for chunk_size in (16, 64):
+    for chunk_size in (8, 16, 64):
         o, s = kda_chunked(q, k, v, g, beta, scale=0.5, initial_state=h0, chunk_size=chunk_size)
         assert torch.isfinite(o).all()
         torch.testing.assert_close(o, o_ref, atol=1e-10, rtol=0)
