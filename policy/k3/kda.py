@@ -306,18 +306,21 @@ def _blocks_factor(gam_BHNJSK: Tensor, start_BHNJK: Tensor) -> bool:
     return bool((gam_BHNJSK[..., -1, :] - start_BHNJK).min() >= -FACTOR_RANGE)
 
 
-def _sub_block(gam_BHNCK: Tensor, chunk: int) -> tuple[int, bool | None]:
+def _sub_block(gam_BHNCK: Tensor, chunk: int) -> tuple[int, bool]:
     """(row-block size, factored) for `decayed_grams`: the largest of chunk, chunk/2, ... that
     divides `chunk` and `_blocks_factor` (a trained k3-tiny's 32-token chunks decay by e^-22 to
-    e^-34: one block, ~0.75x the time); else (gcd(chunk, 8), None: decayed_grams checks)."""
+    e^-34: one block, ~0.75x the time); else gcd(chunk, 8) with its own check's answer."""
+
+    def factors(sub: int) -> bool:
+        gam_BHNJSK = gam_BHNCK.unflatten(-2, (chunk // sub, sub))
+        return _blocks_factor(gam_BHNJSK, _block_starts(gam_BHNJSK))
+
     smallest, sub = math.gcd(chunk, 8), chunk
     while sub > smallest:
-        if chunk % sub == 0:
-            gam_BHNJSK = gam_BHNCK.unflatten(-2, (chunk // sub, sub))
-            if _blocks_factor(gam_BHNJSK, _block_starts(gam_BHNJSK)):
-                return sub, True
+        if chunk % sub == 0 and factors(sub):
+            return sub, True
         sub //= 2
-    return smallest, None
+    return smallest, factors(smallest)
 
 
 def _diagonal_blocks(a_BHNJPSK: Tensor, b_BHNJSK: Tensor, gam_BHNJSK: Tensor) -> Tensor:
@@ -381,7 +384,7 @@ def kda_chunked(
     decay_BHNCK = _decay_exp(gam_BHNCK)  # from the chunk start to each token
     kE_BHNCK, qE_BHNCK = k_BHNCK * decay_BHNCK, qs_BHNCK * decay_BHNCK
     sub, factored = _sub_block(gam_BHNCK, chunk)
-    one_block = sub == chunk and bool(factored)  # (chunk <= 8 comes back unchecked: None)
+    one_block = sub == chunk and factored
     if one_block:  # one row block, factored: the products with exp(gam) serve three uses
         kinv_BHNCK = k_BHNCK * _decay_exp(-gam_BHNCK, ceiling=FACTOR_RANGE)
         A_BHN2CC = one_block_grams(torch.stack([kE_BHNCK, qE_BHNCK], -3), kinv_BHNCK)
