@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from policy.k3.routing import top_k_indices
+
 
 def _target_load(num_tokens: int, num_experts: int, top_k: int) -> int:
     if not 0 < top_k < num_experts:
@@ -38,7 +40,8 @@ def quantile_balancing_candidate(
     target = _target_load(num_tokens, num_experts, top_k)
     cd = torch.promote_types(scores_MN.dtype, torch.float32)
     s_MN, b_N = scores_MN.detach().to(cd), bias_N.detach().to(cd)
-    alpha_M1 = (s_MN + b_N).topk(top_k + 1, dim=1).values[:, -1:]
+    biased_MN = s_MN + b_N
+    alpha_M1 = biased_MN.gather(1, top_k_indices(biased_MN, top_k + 1)[:, -1:])
     margin_MN = s_MN - alpha_M1
     return -margin_MN.topk(target + 1, dim=0).values[-1]
 

@@ -37,6 +37,7 @@ from policy.k3.cache import K3Cache
 from policy.k3.engine.plan import DecodePlan, ExpertsPlan, KDAPlan, MLAPlan, MLPPlan
 from policy.k3.flash import flash_attention
 from policy.k3.kda import kda_chunked, unit_lower_solve
+from policy.k3.routing import top_k_indices
 from policy.k3.situ import scaled_tanh
 
 KDA_CHUNK = 32  # kda_chunked's chunk for unbounded gates (faster than 64 on CPU at K = 32)
@@ -318,7 +319,7 @@ def _mlp(p: MLPPlan, x_ND: Tensor) -> tuple[Tensor, Tensor | None]:
     if e.latent_in_w is not None:  # plain MoE: experts read the normed hidden state itself
         z_NL = x_ND * e.latent_in_w
     scores_NE = torch.sigmoid(logits_NE) if e.sigmoid else torch.softmax(logits_NE, -1)
-    indices_NK = (scores_NE + e.bias).topk(e.top_k, -1).indices
+    indices_NK = top_k_indices(scores_NE + e.bias, e.top_k)  # as the router chooses
     weights_NK = scores_NE.gather(1, indices_NK)
     if e.renormalize:  # == w / (sum w + 1e-20) for positive scores (routing.combine_weights)
         weights_NK = F.normalize(weights_NK, p=1.0, dim=-1, eps=1e-20)

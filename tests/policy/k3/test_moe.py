@@ -10,6 +10,8 @@ from policy.k3.configuration import k3_preset
 from policy.k3.moe import (
     GroupedExperts,
     StableLatentMoE,
+    _Dispatch,
+    _Permute,
     grouped_linear,
     grouped_mm_supported,
     naive_experts,
@@ -60,6 +62,25 @@ def test_dispatch_paths_match_the_naive_loop_in_float64(dispatch):
     for name in grads:
         assert max_diff(grads[name], grads_ref[name]) < 1e-12, name
         assert grads[name].abs().sum() > 0, name
+
+
+def test_sorted_dispatch_backward_gathers_what_autograd_would_scatter():
+    """_Dispatch and _Permute (sorted_experts' own backwards) against plain indexing."""
+    gen = torch.Generator().manual_seed(4)
+    indices_TK = torch.rand(13, E, generator=gen).topk(K, dim=-1).indices
+    order_S = torch.argsort(indices_TK.reshape(-1), stable=True)
+    inverse_S = torch.argsort(order_S)
+    z_TL = torch.randn(13, L, generator=gen, dtype=torch.float64, requires_grad=True)
+    ours = _Dispatch.apply(z_TL, order_S, inverse_S, K)
+    plain = z_TL[order_S // K]
+    cot = torch.randn(plain.shape, generator=gen, dtype=torch.float64)
+    assert torch.equal(ours, plain)
+    want, got = (torch.autograd.grad((y * cot).sum(), z_TL)[0] for y in (plain, ours))
+    assert torch.allclose(got, want, rtol=0, atol=1e-14)
+    assert torch.autograd.gradcheck(lambda z: _Dispatch.apply(z, order_S, inverse_S, K), z_TL)
+    x_SL = torch.randn(13 * K, L, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(_Permute.apply(x_SL, inverse_S, order_S), x_SL[inverse_S])
+    assert torch.autograd.gradcheck(lambda x: _Permute.apply(x, inverse_S, order_S), x_SL)
 
 
 def test_dispatch_paths_agree_with_idle_experts():

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policy.k3.routing import Routing, TopKRouter, combine_weights, select_experts
+from policy.k3.routing import (
+    MAX_PASSES,
+    Routing,
+    TopKRouter,
+    combine_weights,
+    select_experts,
+    top_k_indices,
+)
 
 D, E, K, T = 16, 8, 2, 64
 
@@ -89,6 +96,20 @@ def test_selection_is_the_topk_of_biased_scores():
     chosen = biased.gather(1, routing.indices_TK).min(1).values
     rest = biased.scatter(1, routing.indices_TK, float("-inf")).max(1).values
     assert (chosen > rest).all()
+
+
+@pytest.mark.parametrize("k", range(1, MAX_PASSES + 2))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_k_indices_are_torch_topk_and_ties_go_to_the_lower_index(k, dtype):
+    x = torch.rand(257, 48, generator=torch.Generator().manual_seed(k), dtype=dtype)
+    before = x.clone()
+    assert torch.equal(top_k_indices(x, k), x.topk(k, dim=-1).indices)
+    assert torch.equal(x, before)  # the caller's scores are never masked in place
+    tied = torch.zeros(3, 8, dtype=dtype)
+    tied[:, [6, 2, 4]] = 1.0
+    want = torch.tensor([2, 4, 6, 0, 1, 3])[:k]
+    if k <= MAX_PASSES:  # the argmax passes: equal values in index order
+        assert torch.equal(top_k_indices(tied, k), want.expand(3, k))
 
 
 def test_softmax_scores_are_supported():
