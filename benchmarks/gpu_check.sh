@@ -12,7 +12,8 @@
 #   bash benchmarks/gpu_check.sh        # from the repository root, after `make setup`
 #
 # Every step runs under `timeout`; the whole check stays within GPU_CHECK_SECONDS (default 465):
-# a step gets at most what is left. Logs go to GPU_CHECK_OUT (default runs/gpu-check-<time>).
+# a step gets at most what is left, and is skipped when that is under GPU_CHECK_MIN_STEP_S
+# (default 30). Logs go to GPU_CHECK_OUT (default runs/gpu-check-<time>).
 # VENV names the virtualenv (default .venv, as in the Makefile).
 # Exit status: 0 every step passed (or no GPU), 1 a step failed or ran out of time, 2 not set up.
 set -uo pipefail
@@ -21,6 +22,7 @@ cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PY="$VENV/bin/python"
 BUDGET="${GPU_CHECK_SECONDS:-465}"
+MIN_STEP="${GPU_CHECK_MIN_STEP_S:-30}"
 QUICKSTART_CPU_S_PER_STEP=2.83 # docs/benchmarks.md, "Async vs sync": quickstart, sync, 2 cores
 
 gpus() { # NVIDIA GPUs the driver lists (0 without a driver)
@@ -67,7 +69,7 @@ run_step() {
   shift 2
   local left=$((BUDGET - (SECONDS - start)))
   ((limit > left)) && limit=$left
-  if ((limit < 30)); then
+  if ((limit < MIN_STEP)); then
     results+=("$name: SKIPPED (the ${BUDGET} s budget is spent)")
     failed=1
     return

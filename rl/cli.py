@@ -90,11 +90,13 @@ def cmd_train(args) -> int:
         resume = Resume(rng="rng" not in skip, stream="stream" not in skip)
     else:
         run_dir = make_run_dir(cfg)
-    from rl.learner.checkpoint import CheckpointError
+    from rl.learner.checkpoint import CheckpointError, latest_named
     from rl.run.failures import explain
     from rl.run.placement import PlacementError
 
     try:
+        if resume is not None:  # nothing to resume from: say so before Redis and Ray start
+            latest_named(run_dir / "checkpoints")
         summary = train(cfg, run_dir, resume)
     except CheckpointError as exc:
         print(f"agentrl: cannot resume: {exc}", file=sys.stderr)
@@ -141,10 +143,10 @@ def cmd_config(args) -> int:
 
 
 def cmd_plot(args) -> int:
+    run_dir = run_dir_arg(args.run_dir, "metrics.jsonl")  # bad input fails before the imports
+    out = output_arg(args.output, "reward_curve.png") if args.output else None
     from rl.observe.plot import plot_run
 
-    run_dir = run_dir_arg(args.run_dir, "metrics.jsonl")
-    out = output_arg(args.output, "reward_curve.png") if args.output else None
     print(plot_run(run_dir, out))
     return 0
 

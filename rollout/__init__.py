@@ -1,17 +1,32 @@
-"""Episodes and rollout workers: token-in/token-out agent loops over tool envs."""
+"""Episodes and rollout workers: token-in/token-out agent loops over tool envs.
 
-from rollout.episode import EpisodeLimits, run_episodes
-from rollout.render import ChatRenderer
-from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
-from rollout.worker import RolloutWorker, Task
+The names below load on first use (PEP 562), so that importing a light submodule such as
+`rollout.stream` or `rollout.keys` (the monitor, `agentrl plot`) does not import torch through
+`rollout.episode` and `rollout.worker`.
+"""
 
-__all__ = [
-    "ChatRenderer",
-    "EpisodeLimits",
-    "RolloutStatus",
-    "RolloutWorker",
-    "Task",
-    "Trajectory",
-    "TrajectoryGroup",
-    "run_episodes",
-]
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+
+_EXPORTS = MappingProxyType(
+    {
+        "ChatRenderer": "rollout.render",
+        "EpisodeLimits": "rollout.episode",
+        "RolloutStatus": "rollout.types",
+        "RolloutWorker": "rollout.worker",
+        "Task": "rollout.worker",
+        "Trajectory": "rollout.types",
+        "TrajectoryGroup": "rollout.types",
+        "run_episodes": "rollout.episode",
+    }
+)
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollout' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -99,14 +99,17 @@ def test_with_a_gpu_it_runs_every_step_and_sums_up(tmp_path):
 
 @pytest.mark.slow
 def test_a_step_past_the_budget_is_stopped_and_the_rest_skipped(tmp_path):
+    # a 6 s budget with steps of at least 5 s (the default 30 s minimum would make it 31 s)
     start = time.monotonic()
-    proc = fake_gpu_run(tmp_path, GPU_CHECK_SECONDS="31", FAKE_PYTEST_SECONDS="120")
+    proc = fake_gpu_run(
+        tmp_path, GPU_CHECK_SECONDS="6", GPU_CHECK_MIN_STEP_S="5", FAKE_PYTEST_SECONDS="120"
+    )
     assert proc.returncode == 1
     took = re.search(r"gpu-tests: TIMED OUT after (\d+) s", proc.stdout)
     assert took, proc.stdout
-    # the step's share of the budget (30-31 s: `timeout` never fires early), not its own 200 s
-    # limit nor the fake tests' 120 s; the upper bound leaves a loaded machine ~70 s of slack
-    assert 30 <= int(took[1]) < 100, proc.stdout
-    assert "decode: SKIPPED (the 31 s budget is spent)" in proc.stdout
-    # nominal ~31 s; well under the 120 s the hung step would take if it were not cut
-    assert time.monotonic() - start < 100
+    # the step's share of the budget (5-6 s: `timeout` never fires early), not its own 200 s
+    # limit nor the fake tests' 120 s; the upper bound leaves a loaded machine ~40 s of slack
+    assert 5 <= int(took[1]) < 50, proc.stdout
+    assert "decode: SKIPPED (the 6 s budget is spent)" in proc.stdout
+    # nominal ~6 s; well under the 120 s the hung step would take if it were not cut
+    assert time.monotonic() - start < 60

@@ -114,12 +114,18 @@ def prune(root: Path, keep_last: int) -> list[str]:
 
 def latest(root: Path) -> Path:
     """The newest committed checkpoint, verified; CheckpointError if there is none or it is bad."""
+    path = latest_named(root)
+    verify(path)
+    return path
+
+
+def latest_named(root: Path) -> Path:
+    """Where the 'latest' pointer points, not yet verified (a check before anything starts);
+    CheckpointError if there is no pointer."""
     pointer = root / "latest"
     if not pointer.is_file():
         raise CheckpointError(f"no checkpoint in {root} (no 'latest' file): cannot resume")
-    path = root / pointer.read_text().strip()
-    verify(path)
-    return path
+    return root / pointer.read_text().strip()
 
 
 def verify(path: Path) -> dict:

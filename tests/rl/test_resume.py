@@ -59,6 +59,10 @@ def test_sigkilled_learner_resumes_exactly(tmp_path):
     assert straight.returncode == 0, straight.stderr[-3000:]
     (run_a,) = (tmp_path / "a").glob("e2e-*")
     expected = weights_hash(run_a)
+    # not vacuous: the run really trained (its final weights differ from the initial ones)
+    initial = load_file(str(run_a / "policy-init" / "model.safetensors"))
+    final = load_file(str(run_a / "final-model" / "model.safetensors"))
+    assert any(not initial[k].equal(final[k]) for k in initial)
 
     crashed = cli(CONFIG, *overrides(tmp_path / "b"), "testing.faults.kill_learner_at=4")
     assert crashed.returncode != 0 and "died" in (crashed.stdout + crashed.stderr).lower()
@@ -93,13 +97,4 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     assert (
         proc.returncode == 2 and "cannot resume" in proc.stderr and "no checkpoint" in proc.stderr
     )
-
-
-def test_the_resume_run_really_trains(tmp_path):
-    """Guard against a vacuous pass: the weights after training differ from the initial ones."""
-    proc = cli(CONFIG, *overrides(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run,) = tmp_path.glob("e2e-*")
-    initial = load_file(str(run / "policy-init" / "model.safetensors"))
-    final = load_file(str(run / "final-model" / "model.safetensors"))
-    assert any(not initial[k].equal(final[k]) for k in initial)
+    assert "devices:" not in proc.stdout  # refused before Redis and Ray were started
