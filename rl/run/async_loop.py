@@ -41,6 +41,7 @@ from rl.learner.group_ids import GroupIds
 from rl.observe.evaluate import EVAL_SEED_OFFSET
 from rl.observe.metrics import rollout_metrics
 from rl.run.build import sampling
+from rl.run.failures import stops_on_skips
 from rl.run.fleet import Fleet
 from rl.run.step import StepTail
 from rollout.books import trim_books
@@ -111,8 +112,10 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             client.set(keys.learner_version, step)
             feeder.top_up(version=step)
             # no barrier: the learner trains step+1 while the driver books this one, unless
-            # this step saves a checkpoint or evaluates (those need the learner as it is now)
-            ahead = None if tail.pauses_after(step) else learner.step_with_records.remote(limit)
+            # this step saves a checkpoint or evaluates (those need the learner as it is now),
+            # or its skipped steps stop the run (step+1 would ack groups no ledger line names)
+            pause = tail.pauses_after(step) or stops_on_skips(metrics, t.max_skipped_steps)
+            ahead = None if pause else learner.step_with_records.remote(limit)
             tail.write_records(step, entry, records)
             faults.slow_driver(cfg.testing.faults)  # testing.faults (rl/faults.py)
             now = time.perf_counter()

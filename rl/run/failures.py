@@ -31,13 +31,19 @@ class RunAborted(RuntimeError):
 def check_skipped(step: int, metrics: dict, limit: int, run_dir: Path) -> None:
     """Stop after `limit` learner steps in a row skipped for a NaN/Inf loss or gradient."""
     in_a_row = int(metrics.get("learner/nonfinite_in_a_row", 0))
-    if limit and in_a_row >= limit:
+    if stops_on_skips(metrics, limit):
         raise RunAborted(
             f"the learner skipped {in_a_row} steps in a row (steps {step - in_a_row + 1} to "
             f"{step}) for a non-finite loss or gradient (trainer.max_skipped_steps={limit}); "
             f"the run stops. Skipped steps never changed the weights, and their groups are "
             f"marked failed in ledger.jsonl. {_resume(run_dir)}"
         )
+
+
+def stops_on_skips(metrics: dict, limit: int) -> bool:
+    """Whether `check_skipped` will stop the run on this step's learner metrics (the async loop
+    then starts no next step: its groups would be trained and acked with no ledger line)."""
+    return bool(limit) and int(metrics.get("learner/nonfinite_in_a_row", 0)) >= limit
 
 
 def check_env_errors(step: int, metrics: dict, limit: float, env_id: str, run_dir: Path) -> None:
