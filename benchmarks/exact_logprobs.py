@@ -46,6 +46,9 @@ class OneBatch:
     def ack(self, entry_ids):
         return len(entry_ids)
 
+    def stopped(self):
+        return False
+
 
 def decode(model, exact: bool, episodes: int, tokens: int) -> tuple[float, TrajectoryGroup]:
     """Seconds to sample `tokens` tokens for every episode, and the episodes as a group."""

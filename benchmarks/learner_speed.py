@@ -94,6 +94,9 @@ class Source:
     def ack(self, ids):
         return len(ids)
 
+    def stopped(self):
+        return False
+
 
 def ours(model, groups, args, shared_prefix: bool = True):
     cfg = TrainerConfig(

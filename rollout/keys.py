@@ -36,6 +36,10 @@ name). `RunKeys(run_id)` names each of them; product code asks it instead of bui
                                      (rl/observe/monitor.py RedisSource)
     :learner_version         string  the learner's version after each step: the driver (async
                                      mode, rl/run/async_loop.py) -> the workers' staleness gate
+    :learner_stop            string  set by the driver when an async run stops with a learner
+                                     step already started (deleted when a run starts) -> the
+                                     learner (RedisGroupReader.stopped): it reads no more and
+                                     acks nothing, so that step's groups stay pending
     :starts:worker-<index>   string  rollout worker <index>: INCR at each start
                                      (rl/run/actors.py WorkerHost) -> the same (its incarnation)
     :fault:killed-worker     string  fault injection (testing.faults.kill_worker any): SET NX by
@@ -122,6 +126,10 @@ class RunKeys:
     @property
     def learner_version(self) -> str:
         return self._key("learner_version")
+
+    @property
+    def learner_stop(self) -> str:
+        return self._key("learner_stop")
 
     def worker_starts(self, index: int) -> str:
         """Counts the starts (incarnations) of rollout worker `index`."""

@@ -35,10 +35,20 @@ class RedisTrajectoryStream:
 
 
 class RedisGroupReader:
-    """Learner side: a consumer in a consumer group."""
+    """Learner side: a consumer in a consumer group. `stop_key`: a key whose existence tells
+    the learner that the run is stopping (`stopped`)."""
 
-    def __init__(self, client: redis.Redis, stream: str, *, group: str, consumer: str):
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        *,
+        group: str,
+        consumer: str,
+        stop_key: str | None = None,
+    ):
         self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
+        self.stop_key = stop_key
         self.dead_letters = 0
         self.dead_ids: list[str] = []
         """Group ids of dead letters not yet taken (`take_dead_letters`)."""
@@ -93,6 +103,11 @@ class RedisGroupReader:
         """The group ids of the entries dead-lettered since the last call."""
         out, self.dead_ids = self.dead_ids, []
         return out
+
+    def stopped(self) -> bool:
+        """Whether the driver has stopped the run (its stop key exists): read no more, ack
+        nothing."""
+        return self.stop_key is not None and bool(self.client.exists(self.stop_key))
 
     def ack(self, entry_ids: list[str]) -> int:
         self.held.difference_update(entry_ids)

@@ -55,6 +55,7 @@ from rollout.types import TrajectoryGroup
 class GroupSource(Protocol):
     def read(self, count: int, *, block_ms: int) -> list[tuple[str, TrajectoryGroup]]: ...
     def ack(self, entry_ids: list[str]) -> int: ...
+    def stopped(self) -> bool: ...  # the run is stopping: read no more, ack nothing
 
 
 class StreamTimeout(TimeoutError):
@@ -128,10 +129,13 @@ class Learner:
 
     def read_batch(self) -> tuple[list[str], list[TrajectoryGroup]]:
         """Exactly `tasks_per_step` groups, or StreamTimeout after `read_timeout_s` of silence:
-        the timer restarts whenever a group arrives, so a slow but live stream never times out."""
+        the timer restarts whenever a group arrives, so a slow but live stream never times out.
+        No groups when the run stops meanwhile (those read stay pending, unacked)."""
         want, ids, groups = self.cfg.tasks_per_step, [], []
         deadline = time.monotonic() + self.cfg.read_timeout_s
         while len(groups) < want:
+            if self.source.stopped():
+                return [], []
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 raise StreamTimeout(
@@ -184,7 +188,9 @@ class Learner:
         else:  # nothing carries signal: no update; the groups are consumed (counted as dropped)
             self.skipped_steps += 1
         self.trained.update(group_ids(self.ledger))  # (a failed step settles nothing)
-        if self.shard.leader:
+        if self.shard.leader and self.source.stopped():  # the run stopped during the step:
+            metrics["learner/stopped"] = 1.0  # no ack, so its groups stay pending for a resume
+        elif self.shard.leader:
             self.source.ack(entry_ids)  # only after the step: a crash before leaves them pending
             self.last_acked = max(entry_ids, key=_entry_key, default=self.last_acked)
         self.version += 1

@@ -90,6 +90,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
     if requeued:
         logger.info(f"{requeued} unfinished tasks issued again")
     client.set(keys.learner_version, state.step)
+    client.delete(keys.learner_stop)  # a stopped earlier job's flag
     serving = [w.serve.remote(sampling(cfg.rollout, renderer)) for w in workers]
     bar = tqdm(total=t.steps, initial=state.step, desc=f"{t.algorithm.upper()} async", unit="step")
     tail = StepTail(cfg, run_dir, learner, workers, renderer, log, state, bar)
@@ -104,6 +105,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             _check_serving(serving)
             feeder.top_up(version=step - 1)
             metrics, entry, records = _learner_step(learner, serving, limit, ahead)
+            ahead = None  # booked below
             asked = [*late, *((i, w.drain.remote()) for i, w in enumerate(workers))]
             metrics.update(fleet.settle())  # push step-1 travelled while this step trained
             publish = time.perf_counter()
@@ -127,6 +129,10 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             metrics["tasks/backlog"] = float(feeder.queue.backlog())
             tail.finish(step, metrics)
         fleet.settle()  # the last version reaches every worker before the run ends
+    except Exception:  # the run stops (RunAborted, a failed push, a worker that died...)
+        if ahead is not None:
+            _stop_ahead(client, keys, ahead, step + 1, tail)
+        raise
     finally:
         bar.close()
         for w in workers:
@@ -151,6 +157,30 @@ def trim_at_checkpoint(client, keys: RunKeys, checkpoint: Path) -> dict[str, int
     trimmed = trim_books(client, keys, family=TASK_FAMILY, below=below)
     logger.debug(f"books trimmed below {TASK_FAMILY}{below} at {checkpoint.name}: {trimmed}")
     return trimmed
+
+
+STOP_WAIT_S = 600.0
+"""How long a stopping run waits for a learner step it had started to stop or finish."""
+
+
+def _stop_ahead(client, keys: RunKeys, ahead, step: int, tail: StepTail) -> None:
+    """The run stops while learner step `step` runs: tell the learner (it reads no more and
+    acks nothing, so the step's groups stay pending for a resume), then book the step if it
+    finished before it saw the stop: its groups are acked, and the ledger must name them."""
+    client.set(keys.learner_stop, 1)
+    done, _ = ray.wait([ahead], timeout=STOP_WAIT_S)
+    if not done:
+        logger.warning(f"learner step {step} did not stop within {STOP_WAIT_S:g} s")
+        return
+    try:
+        metrics, entry, records = ray.get(ahead)
+    except ray.exceptions.RayError:  # the learner died: what it had not acked stays pending
+        return
+    if metrics.get("learner/stopped"):
+        logger.info(f"learner step {step} had started; it stopped and acked nothing")
+        return
+    tail.write_records(step, entry, records)  # it finished first: its ledger line
+    logger.info(f"learner step {step} finished before the stop; its ledger line is written")
 
 
 def _check_serving(serving: list) -> None:

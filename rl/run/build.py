@@ -177,6 +177,7 @@ def build_learner(
             RunKeys(run_id).trajectories,
             group=LEARNER_GROUP,
             consumer="learner-0",
+            stop_key=RunKeys(run_id).learner_stop,
         )
     return Learner(
         cfg.trainer,

@@ -77,13 +77,17 @@ def test_env_errors_past_the_limit_stop_the_run(tmp_path, mode):
     Each is an env error of its episode (the workers live on and log the error once; Ray
     forwards that line to the driver's output asynchronously, so it is not asserted); the first
     step's rate (100%) passes rollout.max_env_error_rate (0.5) and the run stops there
-    with one message naming the key, no traceback."""
+    with one message naming the key, no traceback. Async: the learner has started step 2
+    before the driver reads the workers' counters (made slower by 1 s), and the failed groups
+    are there to read at once: the stop must leave that step's groups pending, or write the
+    ledger line of a step that acked them before it saw the stop (else the books lose them)."""
     proc = train(
         [
             CONFIG,
             *overrides(tmp_path, 4),
             f"trainer.mode={mode}",
             *(["rollout.token_budget=null"] if mode == "sync" else []),  # partial: async only
+            *(["testing.faults.slow_driver_s=1"] if mode == "async" else []),
             "env.id=chaos/BrokenResetCalculator-v0",
             "env.entry_point=tests.chaos.faulty_env:BrokenResetCalculator",
         ]
@@ -94,6 +98,11 @@ def test_env_errors_past_the_limit_stop_the_run(tmp_path, mode):
     ), proc.stdout[-4000:]
     assert "agentrl envs check chaos/BrokenResetCalculator-v0" in proc.stdout
     assert "Traceback" not in proc.stdout
-    records = metrics(run_dir_of(tmp_path))
+    run_dir = run_dir_of(tmp_path)
+    records = metrics(run_dir)
     assert [r["step"] for r in records] == [1]
     assert records[0]["rollout/env_error_rate"] == 1.0 and records[0]["rollout/env_errors"] > 0
+    if mode == "async":  # (sync mode issues no task stream to account)
+        books = account(run_dir)
+        assert books["steps"] in ([1], [1, 2])  # step 2's line only if it acked before the stop
+        check_books(books, len(books["steps"]), "env errors stop the async run")

@@ -37,6 +37,9 @@ class Source:
     def ack(self, ids):
         return len(ids)
 
+    def stopped(self):
+        return False
+
 
 def groups_for(model, vocab: int, count: int = 2, size: int = 4) -> list[TrajectoryGroup]:
     """`count` groups of `size` trajectories with on-policy logprobs (ratio 1)."""

@@ -35,6 +35,9 @@ class ListSource:
         self.acked.extend(entry_ids)
         return len(entry_ids)
 
+    def stopped(self):
+        return False
+
 
 class TrickleSource(ListSource):
     """A ListSource whose entries arrive one at a time, `gaps[i]` seconds after the previous one
@@ -126,6 +129,38 @@ def test_a_failed_step_acks_nothing(tiny_model, monkeypatch):
     with pytest.raises(RuntimeError, match="the update failed"):
         learner.step()
     assert source.acked == [] and learner.version == 0
+
+
+class StoppingSource(ListSource):
+    """A ListSource whose run stops (`stopped()` turns true) after `reads` reads."""
+
+    def __init__(self, groups, reads):
+        super().__init__(groups)
+        self.reads_left = reads
+
+    def read(self, count, *, block_ms):
+        self.reads_left -= 1
+        return super().read(1, block_ms=block_ms)
+
+    def stopped(self):
+        return self.reads_left <= 0
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["while-reading", "while-training"])
+def test_a_step_the_run_stops_during_acks_nothing(tiny_model, reads):
+    """The driver stops an async run while a learner step it started runs (rl/run/async_loop.py
+    _stop_ahead): the learner reads no more and acks nothing, so the step's groups stay pending
+    for a resume; the step says it stopped. With 2 groups a step, one read per group: after 1
+    read the stop comes while reading (nothing trained), after 2 while training."""
+    model = copy.deepcopy(tiny_model)
+    groups = [make_group(model, [1.0, 0.0, 0.0, 1.0], seed=s) for s in range(2)]
+    learner, _ = learner_for(model, groups)
+    learner.source = source = StoppingSource(groups, reads)
+    before = checksum(export_weights(model))
+    metrics = learner.step()
+    assert metrics["learner/stopped"] == 1.0 and source.acked == []
+    assert ("learner/loss_tokens" in metrics) == (reads == 2)  # trained only with both groups
+    assert (checksum(export_weights(model)) == before) == (reads == 1)
 
 
 def test_an_all_errored_group_is_failed_in_the_ledger_and_acked(tiny_model):

@@ -74,6 +74,15 @@ def test_stream_delivers_and_keeps_unacked_entries_pending(redis_server):
     assert reader.read(10, block_ms=50) == []  # delivered once to this group
 
 
+def test_the_reader_sees_the_run_stop_through_its_key(redis_server):
+    client = redis_server.client()
+    reader = RedisGroupReader(client, "s", group="learner", consumer="c0", stop_key="s:stop")
+    assert not reader.stopped()
+    client.set("s:stop", 1)  # the driver stopping an async run (rl/run/async_loop.py)
+    assert reader.stopped()
+    assert not RedisGroupReader(client, "s", group="learner", consumer="c1").stopped()
+
+
 def test_poison_entry_goes_to_dead_letters(redis_server):
     client = redis_server.client()
     reader = RedisGroupReader(client, "s", group="learner", consumer="c0")

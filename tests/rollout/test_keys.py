@@ -21,6 +21,7 @@ LAYOUT = {
     "trimmed": "agentrl:run-7:trimmed",
     "metrics": "agentrl:run-7:metrics",
     "learner_version": "agentrl:run-7:learner_version",
+    "learner_stop": "agentrl:run-7:learner_stop",
     "killed_worker": "agentrl:run-7:fault:killed-worker",
 }
 
