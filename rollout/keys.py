@@ -37,9 +37,10 @@ name). `RunKeys(run_id)` names each of them; product code asks it instead of bui
     :learner_version         string  the learner's version after each step: the driver (async
                                      mode, rl/run/async_loop.py) -> the workers' staleness gate
     :learner_stop            string  set by the driver when an async run stops with a learner
-                                     step already started (deleted when a run starts) -> the
-                                     learner (RedisGroupReader.stopped): it reads no more and
-                                     acks nothing, so that step's groups stay pending
+                                     step already started (deleted when a job starts,
+                                     rl/run/train.py) -> the learner (RedisGroupReader.stopped):
+                                     it reads no more and acks nothing more, so that step's
+                                     groups stay pending
     :starts:worker-<index>   string  rollout worker <index>: INCR at each start
                                      (rl/run/actors.py WorkerHost) -> the same (its incarnation)
     :fault:killed-worker     string  fault injection (testing.faults.kill_worker any): SET NX by

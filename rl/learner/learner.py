@@ -166,6 +166,7 @@ class Learner:
         self.ledger = new_entry()
         wait = time.perf_counter()
         entry_ids, groups = self.read_batch() if self.shard.leader else ([], [])
+        read_notes = copy.deepcopy(self.ledger)  # acked while reading: duplicates, dead letters
         wait = time.perf_counter() - wait
         groups = sorted(self.shard.share_groups(groups), key=_group_key)  # arrival order varies
         self.last_groups = groups
@@ -187,10 +188,12 @@ class Learner:
             metrics.update(trained_outcomes(groups))
         else:  # nothing carries signal: no update; the groups are consumed (counted as dropped)
             self.skipped_steps += 1
+        stopped = self.shard.leader and self.source.stopped()  # the run stopped meanwhile:
+        if stopped:  # no ack, so the batch stays pending for a resume; the ledger keeps only
+            self.ledger = read_notes  # the entries acked while reading
+            metrics["learner/stopped"] = 1.0
         self.trained.update(group_ids(self.ledger))  # (a failed step settles nothing)
-        if self.shard.leader and self.source.stopped():  # the run stopped during the step:
-            metrics["learner/stopped"] = 1.0  # no ack, so its groups stay pending for a resume
-        elif self.shard.leader:
+        if self.shard.leader and not stopped:
             self.source.ack(entry_ids)  # only after the step: a crash before leaves them pending
             self.last_acked = max(entry_ids, key=_entry_key, default=self.last_acked)
         self.version += 1

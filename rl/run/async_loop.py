@@ -38,6 +38,7 @@ from tqdm import tqdm
 from rl import faults
 from rl.learner.checkpoint import read_json
 from rl.learner.group_ids import GroupIds
+from rl.learner.ledger import group_ids
 from rl.observe.evaluate import EVAL_SEED_OFFSET
 from rl.observe.metrics import rollout_metrics
 from rl.run.build import sampling
@@ -90,21 +91,21 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
     if requeued:
         logger.info(f"{requeued} unfinished tasks issued again")
     client.set(keys.learner_version, state.step)
-    client.delete(keys.learner_stop)  # a stopped earlier job's flag
     serving = [w.serve.remote(sampling(cfg.rollout, renderer)) for w in workers]
     bar = tqdm(total=t.steps, initial=state.step, desc=f"{t.algorithm.upper()} async", unit="step")
     tail = StepTail(cfg, run_dir, learner, workers, renderer, log, state, bar)
     tail.on_checkpoint = lambda path: trim_at_checkpoint(client, keys, path)
     fleet = Fleet(learner, workers, client, keys, cfg.weights)
     late: list = []  # workers' counters asked for and not answered yet: read at a later step
-    ahead = None  # the next learner step, started before this step's bookkeeping
+    ahead = None  # (step, ref): the next learner step, started before this step's bookkeeping
     limit = cfg.metrics.trajectories
     last = time.perf_counter()
     try:
         for step in range(state.step + 1, t.steps + 1):
             _check_serving(serving)
             feeder.top_up(version=step - 1)
-            metrics, entry, records = _learner_step(learner, serving, limit, ahead)
+            started = ahead[1] if ahead else None
+            metrics, entry, records = _learner_step(learner, serving, limit, started)
             ahead = None  # booked below
             asked = [*late, *((i, w.drain.remote()) for i, w in enumerate(workers))]
             metrics.update(fleet.settle())  # push step-1 travelled while this step trained
@@ -117,7 +118,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             # this step saves a checkpoint or evaluates (those need the learner as it is now),
             # or its skipped steps stop the run (step+1 would ack groups no ledger line names)
             pause = tail.pauses_after(step) or stops_on_skips(metrics, t.max_skipped_steps)
-            ahead = None if pause else learner.step_with_records.remote(limit)
+            ahead = None if pause else (step + 1, learner.step_with_records.remote(limit))
             tail.write_records(step, entry, records)
             faults.slow_driver(cfg.testing.faults)  # testing.faults (rl/faults.py)
             now = time.perf_counter()
@@ -129,9 +130,9 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             metrics["tasks/backlog"] = float(feeder.queue.backlog())
             tail.finish(step, metrics)
         fleet.settle()  # the last version reaches every worker before the run ends
-    except Exception:  # the run stops (RunAborted, a failed push, a worker that died...)
-        if ahead is not None:
-            _stop_ahead(client, keys, ahead, step + 1, tail)
+    except (Exception, KeyboardInterrupt):  # the run stops (RunAborted, a dead worker, Ctrl-C)
+        if ahead is not None:  # started in this iteration (step + 1) or the last (step)
+            _stop_ahead(client, keys, *ahead, tail)
         raise
     finally:
         bar.close()
@@ -163,24 +164,28 @@ STOP_WAIT_S = 600.0
 """How long a stopping run waits for a learner step it had started to stop or finish."""
 
 
-def _stop_ahead(client, keys: RunKeys, ahead, step: int, tail: StepTail) -> None:
+def _stop_ahead(client, keys: RunKeys, step: int, ahead, tail: StepTail) -> None:
     """The run stops while learner step `step` runs: tell the learner (it reads no more and
     acks nothing, so the step's groups stay pending for a resume), then book the step if it
-    finished before it saw the stop: its groups are acked, and the ledger must name them."""
-    client.set(keys.learner_stop, 1)
-    done, _ = ray.wait([ahead], timeout=STOP_WAIT_S)
-    if not done:
-        logger.warning(f"learner step {step} did not stop within {STOP_WAIT_S:g} s")
-        return
+    finished before it saw the stop: its groups are acked, and the ledger must name them. A
+    stopped step's ledger names only what it acked while reading (duplicates, dead letters).
+    Never raises: the error that stopped the run is the one to report."""
     try:
+        client.set(keys.learner_stop, 1)
+        done, _ = ray.wait([ahead], timeout=STOP_WAIT_S)
+        if not done:
+            logger.warning(f"learner step {step} did not stop within {STOP_WAIT_S:g} s")
+            return
         metrics, entry, records = ray.get(ahead)
+        if not metrics.get("learner/stopped"):
+            tail.write_records(step, entry, records)  # it finished first: its ledger line
+            logger.info(f"learner step {step} ended before the stop; its ledger line is written")
+        elif group_ids(entry):
+            tail.write_records(step, entry, [])
     except ray.exceptions.RayError:  # the learner died: what it had not acked stays pending
-        return
-    if metrics.get("learner/stopped"):
-        logger.info(f"learner step {step} had started; it stopped and acked nothing")
-        return
-    tail.write_records(step, entry, records)  # it finished first: its ledger line
-    logger.info(f"learner step {step} finished before the stop; its ledger line is written")
+        logger.debug(f"learner step {step} ended with its process")
+    except Exception as exc:  # Redis lost, the disk full...
+        logger.warning(f"while stopping learner step {step}: {type(exc).__name__}: {exc}")
 
 
 def _check_serving(serving: list) -> None:

@@ -73,6 +73,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
         if (banner := faults.banner(cfg.testing.faults)) is not None:
             logger.warning(banner)  # a test run: loud, before anything else happens
         checkpoint, state = load_latest(run_dir, rng=resume.rng) if resume else (None, None)
+        svc.redis.delete(RunKeys(run_id).learner_stop)  # set when an earlier job stopped
         sft_report: dict[str, float] = {}
         if state is None:
             state, sft_report = warm_start(cfg, run_dir)

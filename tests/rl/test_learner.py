@@ -159,6 +159,7 @@ def test_a_step_the_run_stops_during_acks_nothing(tiny_model, reads):
     before = checksum(export_weights(model))
     metrics = learner.step()
     assert metrics["learner/stopped"] == 1.0 and source.acked == []
+    assert learner.ledger["trained"] == [] and not learner.trained  # pending, not settled
     assert ("learner/loss_tokens" in metrics) == (reads == 2)  # trained only with both groups
     assert (checksum(export_weights(model)) == before) == (reads == 1)
 
