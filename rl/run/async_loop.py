@@ -172,7 +172,10 @@ def _stop_ahead(client, keys: RunKeys, step: int, ahead, tail: StepTail) -> None
     Never raises: the error that stopped the run is the one to report."""
     try:
         client.set(keys.learner_stop, 1)
-        done, _ = ray.wait([ahead], timeout=STOP_WAIT_S)
+        done, _ = ray.wait([ahead], timeout=2.0)
+        if not done:  # a step mid-training ends first (minutes at long context)
+            logger.info(f"stopping: waiting for learner step {step} (Ctrl-C again: leave now)")
+            done, _ = ray.wait([ahead], timeout=STOP_WAIT_S)
         if not done:
             logger.warning(f"learner step {step} did not stop within {STOP_WAIT_S:g} s")
             return
