@@ -6,6 +6,7 @@ Used by the run file's sections (`rollout.resources`, `trainer.resources`) and b
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any
 
@@ -52,13 +53,41 @@ def fold_cpus(section: Any, key: str) -> None:
     setattr(section, key, cpus)
 
 
+def gpu_share(resources: dict[str, float]) -> float:
+    """The GPUs one cuda actor holds: `resources.GPU` where the run file sets it (0.25: a quarter
+    of one GPU), else one."""
+    return float(resources.get("GPU", 1.0))
+
+
+def gpus_needed(actors: int, share: float) -> int:
+    """Whole GPUs that `actors` actors holding `share` each take: Ray packs shares below one onto
+    a GPU while they fit (4 x 0.25 on one, 3 x 0.4 on two); whole shares take that many each."""
+    if actors <= 0 or share <= 0:
+        return 0
+    if share < 1:
+        return math.ceil(actors / math.floor(1 / share + 1e-9))
+    return actors * math.ceil(share)
+
+
 def ask(cpus: float, resources: dict[str, float], device: str = "cpu") -> dict[str, float]:
-    """One actor's request to Ray: its CPUs plus `resources`, without zero amounts; on a cuda
-    device one GPU unless `resources` says how many (`auto` counts as cpu: resolve it first,
-    rl/run/devices.py)."""
-    gpu = {"GPU": 1.0} if device == "cuda" and "GPU" not in resources else {}
-    merged = {"CPU": cpus, **gpu, **resources}
+    """One actor's request to Ray: its CPUs plus `resources`, without zero amounts; a GPU only on
+    a cuda device, one unless `resources` says how many (`auto` counts as cpu: resolve it first,
+    rl/run/devices.py; a part that `auto` put on the CPU reserves no GPU)."""
+    gpu = {"GPU": gpu_share(resources) if device == "cuda" else 0.0}
+    merged = {"CPU": cpus, **resources, **gpu}
     return {name: amount for name, amount in merged.items() if amount > 0}
+
+
+def refuse_gpu_on_cpu(section: Any, name: str) -> None:
+    """An actor that runs on the CPU (`<name>.device: cpu`) asking Ray for a GPU would hold it
+    idle, or wait forever where there is none: a ConfigError naming `resources.GPU`."""
+    if section.device == "cpu" and section.resources.get("GPU", 0) > 0:
+        raise ConfigError(
+            "resources.GPU",
+            f"asks Ray for {section.resources['GPU']:g} GPU for actors that run on the CPU "
+            f"({name}.device: cpu): remove it, or set {name}.device: cuda (or auto: cuda when "
+            "the GPUs cover every actor's share)",
+        )
 
 
 def ray_options(request: dict[str, float]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from rl.config.base import Section
 from rl.config.errors import ConfigError
 from rl.config.mix import EnvKeys, MixEntry, default_id, expand_mix
-from rl.config.resources import Resources, ask, fold_cpus
+from rl.config.resources import Resources, ask, fold_cpus, refuse_gpu_on_cpu
 from rl.config.runtime_env import RuntimeEnv
 
 
@@ -56,7 +56,8 @@ class RayConfig(Section):
     of packages or a requirements file), env_vars, excludes; relative paths are relative to the
     current directory. On a cluster agentrl adds to py_modules its own packages and each env
     module in the current directory that the run imports (env.entry_point, a "module:function"
-    env.grader, the same in env.mix entries), and says so in one line (docs/cluster.md)."""
+    env.grader, env.harness, env.kwargs.expert, the same in env.mix entries), and says so in
+    one line (docs/cluster.md)."""
 
 
 def _redis_url(value: str | None) -> str | None:
@@ -201,9 +202,11 @@ class RolloutConfig(Section):
     cpus_per_worker: float = Field(0.5, ge=0)
     """Ray CPUs reserved per worker (the same setting as resources.CPU; write either)."""
     resources: Resources = Field(default_factory=dict)
-    """Ray resources each worker asks for besides its CPUs, e.g. {GPU: 1, rollout: 1} (a custom
+    """Ray resources each worker asks for besides its CPUs, e.g. {rollout: 1} (a custom
     resource that only some nodes offer puts the workers there); CPU here replaces
-    cpus_per_worker. Checked against the cluster before anything starts."""
+    cpus_per_worker. GPU is each cuda worker's share of a GPU (default 1; 0.25 packs four
+    workers onto one, each caching in its quarter); refused with device: cpu. Checked against
+    the cluster before anything starts."""
     spread: bool = True
     """Place the workers with Ray's SPREAD strategy, over as many nodes as can hold them (a lost
     node takes fewer workers with it); false: Ray's default, which fills the driver's node
@@ -265,9 +268,9 @@ class RolloutConfig(Section):
     pool of 16 left the learner idle 21% of its steps after the first, one thread per episode 6%
     (docs/benchmarks.md, "Async vs sync")."""
     token_budget: Positive | None = None
-    """Partial rollouts: tokens a worker generates per iteration (sync: per collect; async: per
-    policy version it serves). Unfinished episodes are saved to Redis with their env state and
-    continued later, on any worker. null: no budget."""
+    """Partial rollouts (trainer.mode: async only): tokens a worker generates per policy version
+    it serves. Unfinished episodes are saved to Redis with their env state and continued later,
+    on any worker. null: no budget."""
     max_restarts: int = Field(3, ge=0)
     """Ray restarts a crashed rollout worker this many times (on another node if its node is
     lost); its tasks are retried."""
@@ -277,6 +280,7 @@ class RolloutConfig(Section):
         if self.max_new_tokens >= self.max_seq_len:
             raise ConfigError("max_new_tokens", f"must be below max_seq_len ({self.max_seq_len})")
         fold_cpus(self, "cpus_per_worker")
+        refuse_gpu_on_cpu(self, "rollout")
         return self
 
     @property

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from rl.config.errors import ConfigError
-from rl.config.resources import Resources, ask, fold_cpus
+from rl.config.resources import Resources, ask, fold_cpus, refuse_gpu_on_cpu
 from rl.config.sections import Device, Section
 
 Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"]
@@ -124,8 +124,9 @@ class TrainerConfig(Section):
     cpus: float = Field(1.0, ge=0)
     """Ray CPUs reserved for each learner rank (the same setting as resources.CPU)."""
     resources: Resources = Field(default_factory=dict)
-    """Ray resources each learner rank asks for besides its CPUs, e.g. {GPU: 1, learner: 1};
-    CPU here replaces trainer.cpus. Checked against the cluster before anything starts."""
+    """Ray resources each learner rank asks for besides its CPUs, e.g. {learner: 1}; CPU here
+    replaces trainer.cpus, GPU is each cuda rank's share of a GPU (default 1; refused with
+    device: cpu). Checked against the cluster before anything starts."""
     device: Device = "auto"
     """Where the learner ranks and the SFT warm start compute. cuda: one GPU per rank, asked of
     Ray, NCCL between ranks (gloo on cpu), and with world_size > 1 FSDP2 computes in bf16 and
@@ -178,6 +179,7 @@ class TrainerConfig(Section):
     @model_validator(mode="after")
     def _ranks(self) -> TrainerConfig:
         fold_cpus(self, "cpus")
+        refuse_gpu_on_cpu(self, "trainer")
         context = self.context_parallel
         if context < 1 or self.world_size % context:
             raise ConfigError(

@@ -20,6 +20,7 @@ from policy.tokenizer import build_tokenizer, render_conversations
 from policy.warmup import CopyWarmup, copy_warmup, ordinary_token_ids
 from reward import build_reward
 from rl import faults
+from rl.config.resources import gpu_share
 from rl.config.runfile import RolloutConfig, RunConfig
 from rl.learner.distributed import Shard
 from rl.learner.learner import Learner
@@ -144,12 +145,21 @@ def available_memory() -> int:
 def cache_budget(cfg: RunConfig, device: torch.device | None = None) -> int:
     """A worker's decode-cache budget in bytes: rollout.cache_budget_mb, or by default half of
     the memory available when the worker starts: on the CPU shared by the run's workers, on a
-    GPU half of the free memory of the worker's own GPU (each cuda worker reserves one)."""
+    GPU half of the free memory of the worker's own share of it (one GPU, or the fraction
+    rollout.resources.GPU names: four workers at 0.25 each take an eighth)."""
     if cfg.rollout.cache_budget_mb is not None:
         return int(cfg.rollout.cache_budget_mb * 2**20)
     if device is not None and device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] // 2
+        return gpu_cache_budget(
+            torch.cuda.mem_get_info(device)[0], gpu_share(cfg.rollout.resources)
+        )
     return available_memory() // 2 // max(1, cfg.rollout.num_workers)
+
+
+def gpu_cache_budget(free_bytes: int, share: float) -> int:
+    """Half of a GPU's free memory times the worker's share of the GPU (a share of 0 or above 1
+    counts as the whole GPU: the worker reserved none, or several)."""
+    return int(free_bytes * (share if 0 < share < 1 else 1.0)) // 2
 
 
 def learner_threads(cfg: RunConfig) -> int:

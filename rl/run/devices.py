@@ -3,16 +3,20 @@ workers and the evaluations they run), each auto | cpu | cuda.
 
 `auto` is resolved once, on the driver, from the GPUs the run can have: on a local Ray this
 machine's (torch.cuda.device_count()), on a cluster the GPUs Ray reports after joining it. The
-learner takes one GPU per rank first, then the rollout workers one each; a part whose actors do
-not all get a GPU runs on the CPU. (Ray leaves CUDA_VISIBLE_DEVICES alone for an actor that
+learner takes one GPU per rank first, then the rollout workers one each (or the share their
+`resources.GPU` names); a part whose actors do not all get a GPU runs on the CPU and reserves
+none. (Ray leaves CUDA_VISIBLE_DEVICES alone for an actor that
 reserved no GPU, so an actor resolving `auto` itself would see GPUs it has not reserved: the
 actors get the resolved config.) An explicit `cuda` that the GPUs cannot cover is a ConfigError
 naming the key: at check time on a local Ray (`agentrl check` / `train`, before anything starts),
-after joining on a cluster. Each cuda actor reserves one GPU (rl/config/resources.py, `ask`).
+after joining on a cluster. Each cuda actor reserves one GPU, or the share `resources.GPU` names
+(rl/config/resources.py, `ask`): `rollout.resources.GPU: 0.25` packs four workers onto one GPU,
+and each sizes its decode cache from that share of the GPU's free memory (rl/run/build.py).
 """
 
 from __future__ import annotations
 
+from rl.config.resources import gpu_share, gpus_needed
 from rl.config.runfile import ConfigError, RunConfig
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -27,30 +31,46 @@ def local_gpus() -> int:
 
 def resolve_devices(cfg: RunConfig, gpus: int, where: str = "this machine") -> tuple[str, str]:
     """(learner device, rollout device), each "cpu" or "cuda", for a run that can use `gpus`
-    GPUs in all; ConfigError naming the key when an explicit cuda needs more than there are."""
+    GPUs in all; ConfigError naming the key when an explicit cuda needs more than there are.
+    Each cuda actor holds `resources.GPU` of a GPU (default one; 0.25: four share one)."""
     t, r = cfg.trainer, cfg.rollout
-    ranks, workers = t.world_size, r.num_workers
     if t.exact_logprobs:  # a CPU mode (its config check refuses an explicit cuda): auto is cpu
         gpus = 0
-    if t.device == "cuda" and gpus < ranks:
+    need_t = gpus_needed(t.world_size, gpu_share(t.resources))
+    if t.device == "cuda" and (gpus < need_t or gpus == 0):
         raise ConfigError(
             "trainer.device",
-            f"cuda needs a GPU for each of the {ranks} learner rank(s) (trainer.world_size), "
-            f"but {_have(gpus, where)}; set trainer.device: cpu, or auto (cuda when there are "
-            "enough GPUs)",
+            f"cuda needs {_count(need_t, t.world_size, 'learner rank(s)', t.resources, 'trainer')}"
+            f" (trainer.world_size), but {_have(gpus, where)}; set trainer.device: cpu, or auto "
+            "(cuda when there are enough GPUs)",
         )
-    learner = t.device if t.device != "auto" else ("cuda" if 0 < ranks <= gpus else "cpu")
-    left = gpus - (ranks if learner == "cuda" else 0)
-    if r.device == "cuda" and left < workers:
-        taken = f" after the learner's {ranks}" if learner == "cuda" else ""
+    learner = t.device if t.device != "auto" else _auto(t.world_size, t.resources, gpus)
+    left = gpus - (need_t if learner == "cuda" else 0)
+    need_r = gpus_needed(r.num_workers, gpu_share(r.resources))
+    if r.device == "cuda" and (left < need_r or gpus == 0):
+        taken = f" after the learner's {need_t}" if learner == "cuda" else ""
         raise ConfigError(
             "rollout.device",
-            f"cuda needs a GPU for each of the {workers} rollout workers (rollout.num_workers), "
-            f"but {_have(gpus, where)}, {max(left, 0)} of them free{taken}; set rollout.device: "
-            "cpu or auto, or lower rollout.num_workers",
+            f"cuda needs {_count(need_r, r.num_workers, 'rollout workers', r.resources, 'rollout')}"
+            f" (rollout.num_workers), but {_have(gpus, where)}, {max(left, 0)} of them free"
+            f"{taken}; set rollout.device: cpu or auto, lower rollout.num_workers, or let workers "
+            "share a GPU (rollout.resources.GPU: 0.25 puts four on one)",
         )
-    rollout = r.device if r.device != "auto" else ("cuda" if 0 < workers <= left else "cpu")
+    rollout = r.device if r.device != "auto" else _auto(r.num_workers, r.resources, left)
     return learner, rollout
+
+
+def _auto(actors: int, resources: dict[str, float], gpus: int) -> str:
+    """cuda when every actor gets its share of the GPUs (a share of 0 reserves none: cpu)."""
+    share = gpu_share(resources)
+    return "cuda" if share > 0 and 0 < gpus_needed(actors, share) <= gpus else "cpu"
+
+
+def _count(need: int, actors: int, what: str, resources: dict[str, float], part: str) -> str:
+    share = gpu_share(resources)
+    if share == 1:
+        return f"a GPU for each of the {actors} {what}"
+    return f"{need} GPU(s) for the {actors} {what} at {share:g} GPU each ({part}.resources.GPU)"
 
 
 def _have(gpus: int, where: str) -> str:

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from rl.cli import main
-from rl.config.resources import ask
+from rl.config.resources import ask, gpus_needed
 from rl.config.runfile import ConfigError, load_config
 from rl.learner.batch import pack
 from rl.learner.distributed import backend_for
-from rl.run.build import cache_budget
+from rl.run.build import cache_budget, gpu_cache_budget
 from rl.run.devices import local_gpus, resolve_devices, sft_device, torch_device, with_devices
 from rl.sft.warm_start import _sft_args
 from rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
@@ -120,7 +120,63 @@ def test_ray_gpus_one_per_cuda_actor():
     assert ask(1.0, {}, "cuda") == {"CPU": 1.0, "GPU": 1.0}
     assert ask(0.5, {"rollout": 1}, "cpu") == {"CPU": 0.5, "rollout": 1}
     assert ask(1.0, {"GPU": 2}, "cuda")["GPU"] == 2  # resources say how many
+    assert ask(0.5, {"GPU": 0.25}, "cuda")["GPU"] == 0.25
     assert "GPU" not in ask(1.0, {}, "auto")  # auto is resolved on the driver first
+    # a part that auto put on the CPU reserves no GPU (it would wait forever where none is)
+    assert ask(0.5, {"GPU": 0.25, "rollout": 1}, "cpu") == {"CPU": 0.5, "rollout": 1}
+
+
+@pytest.mark.parametrize(
+    ("actors", "share", "gpus"),
+    [(4, 0.25, 1), (5, 0.25, 2), (3, 0.4, 2), (2, 0.5, 1), (3, 1.0, 3), (2, 2.0, 4), (4, 0, 0)],
+)
+def test_fractional_gpu_shares_pack_onto_whole_gpus(actors, share, gpus):
+    assert gpus_needed(actors, share) == gpus
+
+
+@pytest.mark.parametrize(
+    ("overrides", "gpus", "want"),
+    [
+        (("rollout.resources={GPU: 0.25}", "rollout.num_workers=4"), 2, ("cuda", "cuda")),
+        (("rollout.resources={GPU: 0.25}", "rollout.num_workers=5"), 2, ("cuda", "cpu")),
+        (("rollout.resources={GPU: 0.5}",), 1, ("cuda", "cpu")),  # the learner holds the one
+        (("rollout.resources={GPU: 0.5}", "trainer.device=cpu"), 1, ("cpu", "cuda")),
+        (("rollout.resources={GPU: 0}",), 8, ("cuda", "cpu")),  # a share of 0 reserves none
+        (("trainer.resources={GPU: 0.5}", "rollout.resources={GPU: 0.5}"), 2, ("cuda", "cuda")),
+    ],
+)
+def test_auto_counts_each_actors_share_of_a_gpu(overrides, gpus, want):
+    assert resolve_devices(config(*overrides), gpus) == want
+    resolved = with_devices(config(*overrides), gpus)
+    on_cpu = [s for s in (resolved.trainer, resolved.rollout) if s.device == "cpu"]
+    assert all("GPU" not in s.ray_resources for s in on_cpu)
+
+
+def test_workers_sharing_a_gpu_that_do_not_fit_name_the_share():
+    overrides = ("rollout.device=cuda", "rollout.resources={GPU: 0.25}", "rollout.num_workers=6")
+    with pytest.raises(ConfigError) as info:
+        resolve_devices(config(*overrides), 2)
+    assert info.value.key == "rollout.device"
+    assert "2 GPU(s) for the 6 rollout workers at 0.25 GPU each" in info.value.message
+    assert resolve_devices(config(*overrides), 3) == ("cuda", "cuda")
+    with pytest.raises(ConfigError, match="no CUDA GPU"):  # a share of 0 still needs a GPU
+        resolve_devices(config("rollout.device=cuda", "rollout.resources={GPU: 0}"), 0)
+
+
+def test_a_gpu_asked_for_actors_on_the_cpu_is_refused_by_key():
+    with pytest.raises(ConfigError) as info:
+        config("rollout.device=cpu", "rollout.resources={GPU: 0.25}")
+    assert info.value.key == "rollout.resources.GPU" and "rollout.device: cpu" in info.value.message
+    with pytest.raises(ConfigError) as info:
+        config("trainer.device=cpu", "trainer.resources={GPU: 1}")
+    assert info.value.key == "trainer.resources.GPU"
+
+
+def test_a_worker_sharing_a_gpu_sizes_its_cache_from_its_share():
+    free = 40 * 2**30
+    assert gpu_cache_budget(free, 1.0) == free // 2
+    assert gpu_cache_budget(free, 0.25) == free // 8  # four workers: half the GPU in all
+    assert gpu_cache_budget(free, 0.0) == gpu_cache_budget(free, 2.0) == free // 2
 
 
 @no_gpu

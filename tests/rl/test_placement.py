@@ -22,7 +22,11 @@ def cfg_with(*overrides: str) -> RunConfig:
 
 
 def test_requests_default_to_the_cpu_keys_and_add_resources():
-    cfg = cfg_with("rollout.resources={rollout: 1, GPU: 0}", "trainer.resources={GPU: 1}")
+    cfg = cfg_with(
+        "rollout.resources={rollout: 1, GPU: 0}",
+        "trainer.resources={GPU: 1}",
+        "trainer.device=cuda",
+    )
     assert cfg.rollout.ray_resources == {"CPU": 0.5, "rollout": 1}  # GPU: 0 asks for nothing
     assert cfg.trainer.ray_resources == {"CPU": 1.0, "GPU": 1}
     assert ray_options(cfg.trainer.ray_resources) == {
@@ -77,7 +81,7 @@ def test_cpus_are_counted_for_learner_ranks_and_workers_together():
 
 
 def test_one_actor_bigger_than_every_node():
-    needs = demands(cfg_with("trainer.resources={CPU: 4, GPU: 1}"))
+    needs = demands(cfg_with("trainer.resources={CPU: 4, GPU: 1}", "trainer.device=cuda"))
     problem = unmet(needs, [{"CPU": 2.0, "GPU": 1.0}] * 2 + [{"CPU": 8.0}])
     assert problem.startswith("each of the learner ranks needs {CPU: 4, GPU: 1} on one node")
     assert "(nodes: {CPU: 2, GPU: 1} x 2, {CPU: 8, GPU: 0})" in problem
