@@ -94,9 +94,38 @@ def _model_in(hint: Any) -> type[BaseModel] | None:
     return next(filter(None, map(_model_in, get_args(hint))), None)
 
 
+PEER_NAMES = {  # a key users bring from TRL's GRPOConfig/SFTConfig or verl: (ours, their name)
+    "learning_rate": ("trainer.lr", "TRL's learning_rate"),
+    "num_generations": ("trainer.group_size", "TRL's num_generations"),
+    "beta": ("trainer.kl_coef", "TRL's beta"),
+    "epsilon": ("trainer.clip_low", "TRL's epsilon"),
+    "epsilon_high": ("trainer.clip_high", "TRL's epsilon_high"),
+    "loss_type": ("trainer.algorithm", "TRL's loss_type"),
+    "max_completion_length": ("rollout.max_new_tokens", "TRL's max_completion_length"),
+    "max_steps": ("trainer.steps", "TRL's max_steps"),
+    "num_train_epochs": ("sft.epochs", "TRL's num_train_epochs"),
+    "model_name_or_path": ("policy.path", "TRL's model_name_or_path"),
+    "n": ("trainer.group_size", "verl's rollout.n"),
+    "clip_ratio_low": ("trainer.clip_low", "verl's clip_ratio_low"),
+    "clip_ratio_high": ("trainer.clip_high", "verl's clip_ratio_high"),
+    "kl_loss_coef": ("trainer.kl_coef", "verl's kl_loss_coef"),
+    "entropy_coeff": ("trainer.entropy_coef", "verl's entropy_coeff"),
+    "ppo_mini_batch_size": ("trainer.mini_batch_size", "verl's ppo_mini_batch_size"),
+    "total_training_steps": ("trainer.steps", "verl's total_training_steps"),
+    "max_response_length": ("rollout.max_new_tokens", "verl's max_response_length"),
+}
+
+
 def unknown(key: str, valid: list[str]) -> str:
+    """The message for an unknown key: a peer's name for one of ours (TRL's learning_rate), else
+    the closest valid key, then the valid keys of the section."""
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
+    if key in PEER_NAMES:
+        ours, theirs = PEER_NAMES[key]
+        leaf = ours.rsplit(".", 1)[-1]
+        where = f"{leaf!r} here" if leaf in valid else f"{ours} in a run file"
+        hint = f"{theirs} is {where}; "
     return f"unknown key; {hint}valid keys here: {', '.join(valid)}"
 
 

@@ -60,6 +60,26 @@ def test_bad_values_name_the_key(override, key, fragment):
     assert fragment in str(err)
 
 
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("trainer.learning_rate=1e-3", "TRL's learning_rate is 'lr' here"),
+        ("sft.learning_rate=1e-3", "TRL's learning_rate is 'lr' here"),
+        ("trainer.num_generations=8", "TRL's num_generations is 'group_size' here"),
+        ("trainer.beta=0.04", "TRL's beta is 'kl_coef' here"),
+        ("sft.num_train_epochs=3", "TRL's num_train_epochs is 'epochs' here"),
+        ("trainer.max_completion_length=64", "is rollout.max_new_tokens in a run file"),
+        ("trainer.clip_ratio_high=0.28", "verl's clip_ratio_high is 'clip_high' here"),
+        ("trainer.n=8", "verl's rollout.n is 'group_size' here"),
+    ],
+)
+def test_a_peers_key_name_points_to_ours(override, fragment):
+    """Users arrive with TRL's GRPOConfig or verl's names: the error says which key is ours."""
+    err = error_for(override)
+    assert err.key == override.split("=")[0] and "unknown key" in err.message
+    assert fragment in err.message and "valid keys here" in err.message
+
+
 def test_unknown_top_level_and_nested_keys_in_a_file(tmp_path):
     assert error_for(text="nmae: x\n", tmp_path=tmp_path).key == "nmae"
     err = error_for(text="rollout:\n  tempreature: 0.7\n", tmp_path=tmp_path)
