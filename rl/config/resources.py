@@ -28,6 +28,12 @@ def _resources(value: dict[str, float]) -> dict[str, float]:
             )
         if name == "GPU" and amount > 1 and not float(amount).is_integer():
             raise ValueError(f"GPU above 1 must be a whole number; got {amount:g}")
+        if name == "GPU" and 0 < amount < 1 and abs(amount - 1 / round(1 / amount)) > 1 / UNIT:
+            raise ValueError(
+                "GPU below 1 must be a whole fraction of one GPU (Ray packs shares onto a "
+                f"single GPU, so the rest would be wasted): 0.5, 0.3333, 0.25, 0.2, ...; got "
+                f"{amount:g}"
+            )
         if 0 < amount < 1 / UNIT:
             raise ValueError(f"{name}: Ray counts resources in steps of 0.0001; got {amount:g}")
     return value
@@ -78,9 +84,16 @@ def ask(cpus: float, resources: dict[str, float], device: str = "cpu") -> dict[s
     return {name: amount for name, amount in merged.items() if amount > 0}
 
 
-def refuse_gpu_on_cpu(section: Any, name: str) -> None:
-    """An actor that runs on the CPU (`<name>.device: cpu`) asking Ray for a GPU would hold it
-    idle, or wait forever where there is none: a ConfigError naming `resources.GPU`."""
+def check_gpu_ask(section: Any, name: str) -> None:
+    """A ConfigError naming `resources.GPU` for an ask that does not match the device: a GPU for
+    actors on the CPU (`<name>.device: cpu`) would sit idle, or wait forever where there is none;
+    `GPU: 0` on cuda reserves nothing, and Ray would let every such actor onto GPU 0."""
+    if section.device == "cuda" and section.resources.get("GPU", 1) == 0:
+        raise ConfigError(
+            "resources.GPU",
+            f"is 0 with {name}.device: cuda: the actors would use a GPU Ray never reserved for "
+            "them (all on GPU 0); remove it (one GPU each), or give each a share such as 0.25",
+        )
     if section.device == "cpu" and section.resources.get("GPU", 0) > 0:
         raise ConfigError(
             "resources.GPU",

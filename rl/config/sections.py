@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from rl.config.base import Section
 from rl.config.errors import ConfigError
 from rl.config.mix import EnvKeys, MixEntry, default_id, expand_mix
-from rl.config.resources import Resources, ask, fold_cpus, refuse_gpu_on_cpu
+from rl.config.resources import Resources, ask, check_gpu_ask, fold_cpus
 from rl.config.runtime_env import RuntimeEnv
 
 
@@ -205,7 +205,8 @@ class RolloutConfig(Section):
     """Ray resources each worker asks for besides its CPUs, e.g. {rollout: 1} (a custom
     resource that only some nodes offer puts the workers there); CPU here replaces
     cpus_per_worker. GPU is each cuda worker's share of a GPU (default 1; 0.25 packs four
-    workers onto one, each caching in its quarter); refused with device: cpu. Checked against
+    workers onto one, each caching in its quarter; a whole fraction, 1/k); refused with
+    device: cpu. Checked against
     the cluster before anything starts."""
     spread: bool = True
     """Place the workers with Ray's SPREAD strategy, over as many nodes as can hold them (a lost
@@ -221,9 +222,10 @@ class RolloutConfig(Section):
     (rollout.device resolved to cpu), else normal. Sync mode, where the two never overlap,
     ignores it."""
     device: Device = "auto"
-    """Where the workers' engines (and so the evaluations) run. cuda: one GPU per worker, asked
-    of Ray; auto: cuda when a GPU is left for every worker after the learner's, else cpu. An
-    explicit cuda without enough GPUs is refused before anything starts (local Ray)."""
+    """Where the workers' engines (and so the evaluations) run. cuda: one GPU per worker (or the
+    share rollout.resources.GPU names), asked of Ray; auto: cuda when the GPUs left after the
+    learner's hold every worker's share, else cpu. An explicit cuda without enough GPUs is
+    refused before anything starts (local Ray)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature of rollouts (and of the sampled evaluation)."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -280,7 +282,7 @@ class RolloutConfig(Section):
         if self.max_new_tokens >= self.max_seq_len:
             raise ConfigError("max_new_tokens", f"must be below max_seq_len ({self.max_seq_len})")
         fold_cpus(self, "cpus_per_worker")
-        refuse_gpu_on_cpu(self, "rollout")
+        check_gpu_ask(self, "rollout")
         return self
 
     @property

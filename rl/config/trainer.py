@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from rl.config.errors import ConfigError
-from rl.config.resources import Resources, ask, fold_cpus, refuse_gpu_on_cpu
+from rl.config.resources import Resources, ask, check_gpu_ask, fold_cpus
 from rl.config.sections import Device, Section
 
 Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"]
@@ -128,10 +128,11 @@ class TrainerConfig(Section):
     replaces trainer.cpus, GPU is each cuda rank's share of a GPU (default 1; refused with
     device: cpu). Checked against the cluster before anything starts."""
     device: Device = "auto"
-    """Where the learner ranks and the SFT warm start compute. cuda: one GPU per rank, asked of
-    Ray, NCCL between ranks (gloo on cpu), and with world_size > 1 FSDP2 computes in bf16 and
-    reduces gradients in fp32; auto: cuda when there is a GPU for every rank, else cpu. An
-    explicit cuda without enough GPUs is refused before anything starts (local Ray)."""
+    """Where the learner ranks and the SFT warm start compute. cuda: one GPU per rank (one rank
+    may take a share, trainer.resources.GPU), asked of Ray, NCCL between ranks (gloo on cpu),
+    and with world_size > 1 FSDP2 computes in bf16 and reduces gradients in fp32; auto: cuda
+    when there is a GPU for every rank, else cpu. An explicit cuda without enough GPUs is
+    refused before anything starts (local Ray)."""
     world_size: int = Field(1, gt=0)
     """Learner ranks (Ray actors in one placement group, one torch.distributed group; FSDP2)."""
     expert_parallel: int = 1
@@ -179,7 +180,13 @@ class TrainerConfig(Section):
     @model_validator(mode="after")
     def _ranks(self) -> TrainerConfig:
         fold_cpus(self, "cpus")
-        refuse_gpu_on_cpu(self, "trainer")
+        check_gpu_ask(self, "trainer")
+        if self.world_size > 1 and self.device != "cpu" and self.resources.get("GPU", 1) < 1:
+            raise ConfigError(
+                "resources.GPU",
+                f"is {self.resources['GPU']:g}, but {self.world_size} learner ranks cannot share "
+                "a GPU (NCCL needs one GPU per rank): remove it, or set trainer.world_size: 1",
+            )
         context = self.context_parallel
         if context < 1 or self.world_size % context:
             raise ConfigError(

@@ -402,6 +402,9 @@ def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
     cfg = resolved(cfg)
     check_cluster(cfg)
     r = cfg.rollout
+    # the learner first: workers sharing GPUs, spread over nodes, could otherwise take a slice
+    # of every GPU and leave none whole for it
+    learner = start_learner(cfg, model_dir, redis_url, run_id)
     retries = -1 if cfg.trainer.mode == "async" else 0  # `serve` resumes after a restart
     worker_cls = ray.remote(
         **ray_options(r.ray_resources),
@@ -416,7 +419,6 @@ def start_actors(cfg: RunConfig, model_dir: Path, redis_url: str, run_id: str):
         )
         for i in range(r.num_workers)
     ]
-    learner = start_learner(cfg, model_dir, redis_url, run_id)
     ready = []
     if cfg.trainer.mode == "async":  # restarted workers fetch the latest weights from it
         board = start_board(run_id, ray.get(learner.node.remote())[0])

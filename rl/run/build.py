@@ -104,6 +104,9 @@ def build_worker(
     torch.set_num_threads(cfg.rollout.threads_per_worker)
     renderer = ChatRenderer(load_tokenizer(model_dir))
     device = torch_device(cfg.rollout.device)
+    share = gpu_share(cfg.rollout.resources)
+    if device.type == "cuda" and 0 < share < 1:  # workers sharing a GPU keep to their share
+        torch.cuda.set_per_process_memory_fraction(share, device)
     policy = rollout_policy(
         load_model(model_dir).to(device),  # engines, caches and pushes follow the model
         pad_token_id=renderer.pad_token_id,

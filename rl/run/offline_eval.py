@@ -148,6 +148,7 @@ def eval_config(cfg: RunConfig) -> RunConfig:
             "set rollout.device: cpu or auto",
         )
     out.rollout.device = device if device != "auto" else ("cuda" if gpus else "cpu")
+    out.rollout.resources.pop("GPU", None)  # one worker, no Ray: the GPU is its own
     threads = cfg.rollout.num_workers * cfg.rollout.threads_per_worker
     out.rollout.threads_per_worker = max(1, min(threads, os.cpu_count() or 1))
     return out

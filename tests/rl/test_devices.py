@@ -159,8 +159,6 @@ def test_workers_sharing_a_gpu_that_do_not_fit_name_the_share():
     assert info.value.key == "rollout.device"
     assert "2 GPU(s) for the 6 rollout workers at 0.25 GPU each" in info.value.message
     assert resolve_devices(config(*overrides), 3) == ("cuda", "cuda")
-    with pytest.raises(ConfigError, match="no CUDA GPU"):  # a share of 0 still needs a GPU
-        resolve_devices(config("rollout.device=cuda", "rollout.resources={GPU: 0}"), 0)
 
 
 def test_a_gpu_asked_for_actors_on_the_cpu_is_refused_by_key():
@@ -170,6 +168,17 @@ def test_a_gpu_asked_for_actors_on_the_cpu_is_refused_by_key():
     with pytest.raises(ConfigError) as info:
         config("trainer.device=cpu", "trainer.resources={GPU: 1}")
     assert info.value.key == "trainer.resources.GPU"
+    with pytest.raises(ConfigError) as info:  # NCCL: one GPU per rank
+        config("trainer.world_size=2", "trainer.resources={GPU: 0.5}")
+    assert info.value.key == "trainer.resources.GPU" and "cannot share" in info.value.message
+    with pytest.raises(ConfigError) as info:  # Ray would let every such worker onto GPU 0
+        config("rollout.device=cuda", "rollout.resources={GPU: 0}")
+    assert info.value.key == "rollout.resources.GPU" and "never reserved" in info.value.message
+    with pytest.raises(ConfigError) as info:  # packed onto one GPU, 0.3 would waste a tenth
+        config("rollout.resources={GPU: 0.3}")
+    assert info.value.key == "rollout.resources" and "whole fraction" in info.value.message
+    assert config("rollout.resources={GPU: 0.3333}").rollout.resources["GPU"] == 0.3333
+    assert gpus_needed(7, 0.3333) == 3
 
 
 def test_a_worker_sharing_a_gpu_sizes_its_cache_from_its_share():
