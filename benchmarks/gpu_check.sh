@@ -95,7 +95,8 @@ run_step decode 75 "$PY" benchmarks/decode_speed.py --device cuda --batches 1 16
   --prompt-len 128 --new-tokens 64 --repeats 2 --no-prefill-table
 run_step learner 60 "$PY" benchmarks/learner_speed.py --device cuda --repeats 3
 run_step quickstart 240 "$VENV/bin/agentrl" train configs/quickstart.yaml trainer.steps=10 \
-  trainer.device=cuda eval.tasks=50 name=quickstart-gpu "output_dir=$out/runs"
+  trainer.device=cuda rollout.device=cuda "trainer.resources={GPU: 0.5}" \
+  "rollout.resources={GPU: 0.25}" eval.tasks=50 name=quickstart-gpu "output_dir=$out/runs"
 
 echo
 echo "=== summary ($((SECONDS - start)) s; logs in $out)"

@@ -65,14 +65,25 @@ def gpu_share(resources: dict[str, float]) -> float:
     return float(resources.get("GPU", 1.0))
 
 
-def gpus_needed(actors: int, share: float) -> int:
-    """Whole GPUs that `actors` actors holding `share` each take: Ray packs shares below one onto
-    a GPU while they fit (4 x 0.25 on one, 3 x 0.4 on two); whole shares take that many each."""
-    if actors <= 0 or share <= 0:
-        return 0
-    if share < 1:
-        return math.ceil(actors / math.floor(1 / share + 1e-9))
-    return actors * math.ceil(share)
+def gpus_needed(*groups: tuple[int, float]) -> int:
+    """Whole GPUs that the actors of `groups` ((count, share) each) take together. Shares below
+    one are packed onto GPUs first-fit, largest first, in Ray's 1/10,000 steps, as Ray fits each
+    onto a single GPU (4 x 0.25 on one; a 0.5 and two 0.25 on one); whole shares take that many
+    GPUs each; a share of 0 takes none."""
+    whole, parts = 0, []
+    for count, share in groups:
+        if share >= 1:
+            whole += count * math.ceil(share)
+        elif share > 0:
+            parts += [round(share * UNIT)] * count
+    rooms: list[int] = []  # what is left of each GPU in use
+    for part in sorted(parts, reverse=True):
+        fit = next((i for i, room in enumerate(rooms) if room >= part), None)
+        if fit is None:
+            rooms.append(UNIT - part)
+        else:
+            rooms[fit] -= part
+    return whole + len(rooms)
 
 
 def ask(cpus: float, resources: dict[str, float], device: str = "cpu") -> dict[str, float]:

@@ -32,11 +32,13 @@ def local_gpus() -> int:
 def resolve_devices(cfg: RunConfig, gpus: int, where: str = "this machine") -> tuple[str, str]:
     """(learner device, rollout device), each "cpu" or "cuda", for a run that can use `gpus`
     GPUs in all; ConfigError naming the key when an explicit cuda needs more than there are.
-    Each cuda actor holds `resources.GPU` of a GPU (default one; 0.25: four share one)."""
+    Each cuda actor holds `resources.GPU` of a GPU (default one; 0.25: four share one), and
+    shares pack together: a learner at 0.5 and two workers at 0.25 fit on one GPU."""
     t, r = cfg.trainer, cfg.rollout
     if t.exact_logprobs:  # a CPU mode (its config check refuses an explicit cuda): auto is cpu
         gpus = 0
-    need_t = gpus_needed(t.world_size, gpu_share(t.resources))
+    ranks = (t.world_size, gpu_share(t.resources))
+    need_t = gpus_needed(ranks)
     if t.device == "cuda" and (gpus < need_t or gpus == 0):
         raise ConfigError(
             "trainer.device",
@@ -44,26 +46,30 @@ def resolve_devices(cfg: RunConfig, gpus: int, where: str = "this machine") -> t
             f" (trainer.world_size), but {_have(gpus, where)}; set trainer.device: cpu, or auto "
             "(cuda when there are enough GPUs)",
         )
-    learner = t.device if t.device != "auto" else _auto(t.world_size, t.resources, gpus)
-    left = gpus - (need_t if learner == "cuda" else 0)
-    need_r = gpus_needed(r.num_workers, gpu_share(r.resources))
-    if r.device == "cuda" and (left < need_r or gpus == 0):
-        taken = f" after the learner's {need_t}" if learner == "cuda" else ""
+    learner = t.device if t.device != "auto" else _auto(ranks, (), gpus)
+    beside = (ranks,) if learner == "cuda" else ()
+    workers = (r.num_workers, gpu_share(r.resources))
+    need_all = gpus_needed(*beside, workers)
+    if r.device == "cuda" and (need_all > gpus or gpus == 0):
+        need_r = gpus_needed(workers)
+        total = f", {need_all} with the learner's ranks," if beside else ""
         raise ConfigError(
             "rollout.device",
             f"cuda needs {_count(need_r, r.num_workers, 'rollout workers', r.resources, 'rollout')}"
-            f" (rollout.num_workers), but {_have(gpus, where)}, {max(left, 0)} of them free"
-            f"{taken}; set rollout.device: cpu or auto, lower rollout.num_workers, or let workers "
-            "share a GPU (rollout.resources.GPU: 0.25 puts four on one)",
+            f" (rollout.num_workers){total} but {_have(gpus, where)}; set rollout.device: cpu or "
+            "auto, lower rollout.num_workers, or let workers share a GPU "
+            "(rollout.resources.GPU: 0.25 puts four on one)",
         )
-    rollout = r.device if r.device != "auto" else _auto(r.num_workers, r.resources, left)
+    rollout = r.device if r.device != "auto" else _auto(workers, beside, gpus)
     return learner, rollout
 
 
-def _auto(actors: int, resources: dict[str, float], gpus: int) -> str:
-    """cuda when every actor gets its share of the GPUs (a share of 0 reserves none: cpu)."""
-    share = gpu_share(resources)
-    return "cuda" if share > 0 and 0 < gpus_needed(actors, share) <= gpus else "cpu"
+def _auto(actors: tuple[int, float], beside: tuple, gpus: int) -> str:
+    """cuda when `actors` ((count, share)) get their shares of the GPUs beside the groups
+    already there; a share of 0 reserves none: cpu."""
+    count, share = actors
+    fits = gpus_needed(*beside, actors) <= gpus
+    return "cuda" if count > 0 and share > 0 and gpus > 0 and fits else "cpu"
 
 
 def _count(need: int, actors: int, what: str, resources: dict[str, float], part: str) -> str:

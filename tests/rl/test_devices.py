@@ -62,7 +62,7 @@ def test_auto_takes_a_gpu_per_actor_learner_first(overrides, gpus, want):
         (("trainer.device=cuda",), 0, "trainer.device", "no CUDA GPU"),
         (("trainer.device=cuda", "trainer.world_size=2"), 1, "trainer.device", "2 learner"),
         (("rollout.device=cuda",), 0, "rollout.device", "no CUDA GPU"),
-        (("rollout.device=cuda",), 2, "rollout.device", "after the learner's 1"),
+        (("rollout.device=cuda",), 2, "rollout.device", "3 with the learner's ranks"),
         (("rollout.device=cuda", "trainer.device=cpu"), 1, "rollout.device", "2 rollout"),
     ],
 )
@@ -127,11 +127,22 @@ def test_ray_gpus_one_per_cuda_actor():
 
 
 @pytest.mark.parametrize(
-    ("actors", "share", "gpus"),
-    [(4, 0.25, 1), (5, 0.25, 2), (3, 0.4, 2), (2, 0.5, 1), (3, 1.0, 3), (2, 2.0, 4), (4, 0, 0)],
+    ("groups", "gpus"),
+    [
+        ([(4, 0.25)], 1),
+        ([(5, 0.25)], 2),
+        ([(3, 0.5)], 2),
+        ([(3, 1.0)], 3),
+        ([(2, 2.0)], 4),
+        ([(4, 0)], 0),
+        ([(1, 0.5), (2, 0.25)], 1),  # a learner at half a GPU beside two workers at a quarter
+        ([(1, 0.5), (3, 0.25)], 2),
+        ([(1, 1.0), (4, 0.25)], 2),
+        ([(2, 0.3333), (3, 0.25)], 2),
+    ],
 )
-def test_fractional_gpu_shares_pack_onto_whole_gpus(actors, share, gpus):
-    assert gpus_needed(actors, share) == gpus
+def test_fractional_gpu_shares_pack_onto_whole_gpus(groups, gpus):
+    assert gpus_needed(*groups) == gpus
 
 
 @pytest.mark.parametrize(
@@ -143,6 +154,9 @@ def test_fractional_gpu_shares_pack_onto_whole_gpus(actors, share, gpus):
         (("rollout.resources={GPU: 0.5}", "trainer.device=cpu"), 1, ("cpu", "cuda")),
         (("rollout.resources={GPU: 0}",), 8, ("cuda", "cpu")),  # a share of 0 reserves none
         (("trainer.resources={GPU: 0.5}", "rollout.resources={GPU: 0.5}"), 2, ("cuda", "cuda")),
+        # everything on one GPU: the learner's half and two workers' quarters
+        (("trainer.resources={GPU: 0.5}", "rollout.resources={GPU: 0.25}"), 1, ("cuda", "cuda")),
+        (("trainer.resources={GPU: 0.5}", "rollout.resources={GPU: 0.5}"), 1, ("cuda", "cpu")),
     ],
 )
 def test_auto_counts_each_actors_share_of_a_gpu(overrides, gpus, want):
@@ -178,7 +192,7 @@ def test_a_gpu_asked_for_actors_on_the_cpu_is_refused_by_key():
         config("rollout.resources={GPU: 0.3}")
     assert info.value.key == "rollout.resources" and "whole fraction" in info.value.message
     assert config("rollout.resources={GPU: 0.3333}").rollout.resources["GPU"] == 0.3333
-    assert gpus_needed(7, 0.3333) == 3
+    assert gpus_needed((7, 0.3333)) == 3
 
 
 def test_a_worker_sharing_a_gpu_sizes_its_cache_from_its_share():
