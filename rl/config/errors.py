@@ -119,13 +119,13 @@ PEER_NAMES = {  # a key users bring from TRL's GRPOConfig/SFTConfig or verl: (ou
 def unknown(key: str, valid: list[str]) -> str:
     """The message for an unknown key: a peer's name for one of ours (TRL's learning_rate), else
     the closest valid key, then the valid keys of the section."""
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
     if key in PEER_NAMES:
         ours, theirs = PEER_NAMES[key]
         leaf = ours.rsplit(".", 1)[-1]
-        where = f"{leaf!r} here" if leaf in valid else f"{ours} in a run file"
-        hint = f"{theirs} is {where}; "
+        hint = f"{theirs} is {f'{leaf!r} here' if leaf in valid else f'{ours} in a run file'}; "
+    else:
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
     return f"unknown key; {hint}valid keys here: {', '.join(valid)}"
 
 

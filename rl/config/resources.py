@@ -65,6 +65,12 @@ def gpu_share(resources: dict[str, float]) -> float:
     return float(resources.get("GPU", 1.0))
 
 
+def gpu_fraction(resources: dict[str, float]) -> float:
+    """The part of one GPU a cuda actor holds: its share below one, else the whole GPU."""
+    share = gpu_share(resources)
+    return share if 0 < share < 1 else 1.0
+
+
 def gpus_needed(*groups: tuple[int, float]) -> int:
     """Whole GPUs that the actors of `groups` ((count, share) each) take together. Shares below
     one are packed onto GPUs first-fit, largest first, in Ray's 1/10,000 steps, as Ray fits each

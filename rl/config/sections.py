@@ -206,8 +206,7 @@ class RolloutConfig(Section):
     resource that only some nodes offer puts the workers there); CPU here replaces
     cpus_per_worker. GPU is each cuda worker's share of a GPU (default 1; 0.25 packs four
     workers onto one, each caching in its quarter; a whole fraction, 1/k); refused with
-    device: cpu. Checked against
-    the cluster before anything starts."""
+    device: cpu. Checked against the cluster before anything starts."""
     spread: bool = True
     """Place the workers with Ray's SPREAD strategy, over as many nodes as can hold them (a lost
     node takes fewer workers with it); false: Ray's default, which fills the driver's node

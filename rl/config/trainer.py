@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from rl.config.errors import ConfigError
-from rl.config.resources import Resources, ask, check_gpu_ask, fold_cpus
+from rl.config.resources import Resources, ask, check_gpu_ask, fold_cpus, gpu_share
 from rl.config.sections import Device, Section
 
 Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo", "ppo"]
@@ -181,7 +181,7 @@ class TrainerConfig(Section):
     def _ranks(self) -> TrainerConfig:
         fold_cpus(self, "cpus")
         check_gpu_ask(self, "trainer")
-        if self.world_size > 1 and self.device != "cpu" and self.resources.get("GPU", 1) < 1:
+        if self.world_size > 1 and self.device != "cpu" and gpu_share(self.resources) < 1:
             raise ConfigError(
                 "resources.GPU",
                 f"is {self.resources['GPU']:g}, but {self.world_size} learner ranks cannot share "

@@ -20,7 +20,7 @@ from policy.tokenizer import build_tokenizer, render_conversations
 from policy.warmup import CopyWarmup, copy_warmup, ordinary_token_ids
 from reward import build_reward
 from rl import faults
-from rl.config.resources import gpu_share
+from rl.config.resources import gpu_fraction, gpu_share
 from rl.config.runfile import RolloutConfig, RunConfig
 from rl.learner.distributed import Shard
 from rl.learner.learner import Learner
@@ -104,9 +104,9 @@ def build_worker(
     torch.set_num_threads(cfg.rollout.threads_per_worker)
     renderer = ChatRenderer(load_tokenizer(model_dir))
     device = torch_device(cfg.rollout.device)
-    share = gpu_share(cfg.rollout.resources)
-    if device.type == "cuda" and 0 < share < 1:  # workers sharing a GPU keep to their share
-        torch.cuda.set_per_process_memory_fraction(share, device)
+    fraction = gpu_fraction(cfg.rollout.resources)
+    if device.type == "cuda" and fraction < 1:  # workers sharing a GPU keep to their share
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
     policy = rollout_policy(
         load_model(model_dir).to(device),  # engines, caches and pushes follow the model
         pad_token_id=renderer.pad_token_id,
@@ -160,9 +160,9 @@ def cache_budget(cfg: RunConfig, device: torch.device | None = None) -> int:
 
 
 def gpu_cache_budget(free_bytes: int, share: float) -> int:
-    """Half of a GPU's free memory times the worker's share of the GPU (a share of 0 or above 1
-    counts as the whole GPU: the worker reserved none, or several)."""
-    return int(free_bytes * (share if 0 < share < 1 else 1.0)) // 2
+    """Half of a GPU's free memory times the worker's part of the GPU (rl/config/resources.py
+    gpu_fraction: a share of 0 or above 1 counts as the whole GPU)."""
+    return int(free_bytes * gpu_fraction({"GPU": share})) // 2
 
 
 def learner_threads(cfg: RunConfig) -> int:

@@ -39,10 +39,10 @@ def resolve_devices(cfg: RunConfig, gpus: int, where: str = "this machine") -> t
         gpus = 0
     ranks = (t.world_size, gpu_share(t.resources))
     need_t = gpus_needed(ranks)
-    if t.device == "cuda" and (gpus < need_t or gpus == 0):
+    if t.device == "cuda" and gpus < need_t:
         raise ConfigError(
             "trainer.device",
-            f"cuda needs {_count(need_t, t.world_size, 'learner rank(s)', t.resources, 'trainer')}"
+            f"cuda needs {_count(need_t, ranks, 'learner rank(s)', 'trainer')}"
             f" (trainer.world_size), but {_have(gpus, where)}; set trainer.device: cpu, or auto "
             "(cuda when there are enough GPUs)",
         )
@@ -50,12 +50,12 @@ def resolve_devices(cfg: RunConfig, gpus: int, where: str = "this machine") -> t
     beside = (ranks,) if learner == "cuda" else ()
     workers = (r.num_workers, gpu_share(r.resources))
     need_all = gpus_needed(*beside, workers)
-    if r.device == "cuda" and (need_all > gpus or gpus == 0):
+    if r.device == "cuda" and need_all > gpus:
         need_r = gpus_needed(workers)
         total = f", {need_all} with the learner's ranks," if beside else ""
         raise ConfigError(
             "rollout.device",
-            f"cuda needs {_count(need_r, r.num_workers, 'rollout workers', r.resources, 'rollout')}"
+            f"cuda needs {_count(need_r, workers, 'rollout workers', 'rollout')}"
             f" (rollout.num_workers){total} but {_have(gpus, where)}; set rollout.device: cpu or "
             "auto, lower rollout.num_workers, or let workers share a GPU "
             "(rollout.resources.GPU: 0.25 puts four on one)",
@@ -69,11 +69,11 @@ def _auto(actors: tuple[int, float], beside: tuple, gpus: int) -> str:
     already there; a share of 0 reserves none: cpu."""
     count, share = actors
     fits = gpus_needed(*beside, actors) <= gpus
-    return "cuda" if count > 0 and share > 0 and gpus > 0 and fits else "cpu"
+    return "cuda" if count > 0 and share > 0 and fits else "cpu"
 
 
-def _count(need: int, actors: int, what: str, resources: dict[str, float], part: str) -> str:
-    share = gpu_share(resources)
+def _count(need: int, group: tuple[int, float], what: str, part: str) -> str:
+    actors, share = group
     if share == 1:
         return f"a GPU for each of the {actors} {what}"
     return f"{need} GPU(s) for the {actors} {what} at {share:g} GPU each ({part}.resources.GPU)"
