@@ -19,8 +19,12 @@ keeps what it learns. Distractors (`distractors` per hop, 0-5):
   ("Velkaro Labs was founded by Ben Kamiro" next to "Velkaro Works was founded by Ana Kamiro");
 - retracted claims: "It is a myth that Velkaro Works was founded by Dara Kamiro.", placed after
   the true fact (in a later document where there is one), so the most recent mention is wrong;
-- filler that mentions the chain's entities, and background facts about other entities.
-Answering from the last document read, from the question alone, or from the latest mention fails.
+- filler that mentions the chain's entities, and background facts about other entities (3 in 8
+  background sentences state a relation; `background_facts=False` makes them all filler, so the
+  inserted sentences are the archive's only statements and a relation's words alone find its
+  fact: the long-context reading stays, the look-alike keys go).
+Answering from the last document read, from the question alone, or from the latest mention fails
+(with distractors and background facts).
 
 Tools: `list_documents(start)` (ids and titles, 200 a page), `read(doc_id)` and `read_next()`
 (the WHOLE document text as the tool result) and `answer(answer)`. Success: the answer names the
@@ -240,6 +244,8 @@ class Archive:
     subjects, so the only statements about them are the inserted ones."""
     decoys: list[str] = field(default_factory=list)
     """Wrong answers planted for the last hop (near misses and the retracted claim's value)."""
+    background_facts: bool = True
+    """Whether background sentences state relations between other entities (else only filler)."""
 
     def title(self, doc: int) -> str:
         theme = THEMES[int(np.random.default_rng([self.seed, doc, 1]).integers(len(THEMES)))]
@@ -255,7 +261,7 @@ class Archive:
 
     def _background(self, row: list[int]) -> str:
         pick, a, b, c = row
-        if pick % 8 < 3:  # a background fact about entities outside the chain
+        if self.background_facts and pick % 8 < 3:  # a fact about entities outside the chain
             relation = _RELATION_NAMES[a % 4]
             subject_kind, object_kind = RELATIONS[relation]
             code = b % SPACE[subject_kind]
@@ -335,6 +341,7 @@ def make_archive(
     doc_chars: int,
     distractors: int,
     evidence_order: str,
+    background_facts: bool = True,
 ) -> Archive:
     """Draw one archive's chain, where its facts go and its distractors (nothing else is kept)."""
     relations = relations_for(hops)
@@ -376,6 +383,7 @@ def make_archive(
         inserts=inserts,
         reserved=frozenset(names.used),
         decoys=decoys,
+        background_facts=background_facts,
     )
 
 
@@ -394,6 +402,7 @@ class LongHorizonEnv(ToolEnv):
         num_documents: int | None = None,
         distractors: int = 2,
         evidence_order: str = "forward",
+        background_facts: bool = True,
         max_turns: int | None = None,
         tool_timeout_s: float | None = 30.0,
         render_mode: str | None = None,
@@ -410,6 +419,8 @@ class LongHorizonEnv(ToolEnv):
             raise ValueError(
                 f"evidence_order must be 'forward', 'reverse' or 'random', got {evidence_order!r}"
             )
+        if not isinstance(background_facts, bool):
+            raise ValueError(f"background_facts must be true or false, got {background_facts!r}")
         span = (hops - 1) * distance + 1
         if num_documents is None:
             num_documents = span + distance
@@ -422,7 +433,7 @@ class LongHorizonEnv(ToolEnv):
         super().__init__(max_turns=turns, tool_timeout_s=tool_timeout_s, render_mode=render_mode)
         self.hops, self.distance, self.doc_tokens = hops, distance, doc_tokens
         self.num_documents, self.distractors = num_documents, distractors
-        self.evidence_order = evidence_order
+        self.evidence_order, self.background_facts = evidence_order, background_facts
         # whole documents are the point: no result of ours is ever cut
         self.toolbox.max_result_chars = max(MAX_RESULT_CHARS, 8 * doc_tokens + 65536)
         self.archive: Archive | None = None
@@ -492,6 +503,7 @@ class LongHorizonEnv(ToolEnv):
             doc_chars=4 * self.doc_tokens,
             distractors=self.distractors,
             evidence_order=self.evidence_order,
+            background_facts=self.background_facts,
         )
         self.target = self.archive.chain[-1]
         self.question = question_for(self.archive.chain[0], self.archive.relations)

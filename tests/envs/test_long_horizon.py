@@ -59,6 +59,7 @@ def test_it_is_registered_and_listed():
         {},
         {"hops": 4, "distance": 5, "doc_tokens": 1500, "distractors": 3},
         {"hops": 3, "distance": 3, "evidence_order": "reverse"},
+        {"distractors": 0, "background_facts": False},
     ],
 )
 def test_agentrl_envs_check_passes(kwargs):
@@ -242,6 +243,33 @@ def test_the_evidence_is_far_apart_and_every_hop_is_needed(order):
             assert holders == [archive.positions[hop]]
 
 
+@pytest.mark.parametrize("distractors", [0, 2])
+def test_without_background_facts_only_the_inserted_sentences_state_anything(distractors):
+    hops, docs = 3, 12
+    env = LongHorizonEnv(
+        hops=hops, distance=3, doc_tokens=600, distractors=distractors, background_facts=False
+    )
+    expert = envs.make_expert(ID, seed=0)
+    for seed in range(6):
+        env.reset(seed=seed)
+        archive = env.archive
+        stated = [fact for d in range(docs) for fact in facts_in(archive.text(d))]
+        inserted = [
+            fact for d in archive.inserts for s in archive.inserts[d] for fact in facts_in(s)
+        ]
+        assert sorted(stated) == sorted(inserted) and len(stated) >= hops  # nothing else
+        assert all(subject in archive.reserved for _, subject, _ in stated)
+        # the documents keep their length: filler takes the background facts' place
+        assert len(archive.text(0)) >= 4 * 600
+        demo = envs.demonstrate(gymnasium.make(ID, hops=hops, distance=3, doc_tokens=600,
+                                               distractors=distractors, background_facts=False),
+                                expert, seed=seed)  # fmt: skip
+        assert demo.outcome["success"]
+    with_background = LongHorizonEnv(hops=hops, distance=3, doc_tokens=600, distractors=0)
+    with_background.reset(seed=0)
+    assert len(list(facts_in(with_background.archive.text(0)))) > 5  # the default has many
+
+
 def test_the_question_alone_is_not_enough():
     env = LongHorizonEnv(hops=3, distance=3)
     for seed in range(10):
@@ -332,6 +360,8 @@ def test_knobs_are_validated():
         LongHorizonEnv(hops=0)
     with pytest.raises(ValueError, match="evidence_order"):
         LongHorizonEnv(evidence_order="sideways")
+    with pytest.raises(ValueError, match="background_facts"):
+        LongHorizonEnv(background_facts="no")
     env = LongHorizonEnv(hops=3, distance=10)
     assert env.num_documents == 2 * 10 + 1 + 10 and env.max_turns == env.num_documents + 2
 
