@@ -245,15 +245,16 @@ def test_the_evidence_is_far_apart_and_every_hop_is_needed(order):
 
 @pytest.mark.parametrize("distractors", [0, 2])
 def test_without_background_facts_only_the_inserted_sentences_state_anything(distractors):
-    hops, docs = 3, 12
-    env = LongHorizonEnv(
-        hops=hops, distance=3, doc_tokens=600, distractors=distractors, background_facts=False
-    )
+    hops = 3
+    kwargs = {"hops": hops, "distance": 3, "doc_tokens": 600, "distractors": distractors}
+    env = LongHorizonEnv(**kwargs, background_facts=False)
+    wrapped = gymnasium.make(ID, **kwargs, background_facts=False)  # for the expert's episodes
     expert = envs.make_expert(ID, seed=0)
     for seed in range(6):
         env.reset(seed=seed)
         archive = env.archive
-        stated = [fact for d in range(docs) for fact in facts_in(archive.text(d))]
+        docs = range(env.num_documents)
+        stated = [fact for d in docs for fact in facts_in(archive.text(d))]
         inserted = [
             fact for d in archive.inserts for s in archive.inserts[d] for fact in facts_in(s)
         ]
@@ -261,11 +262,8 @@ def test_without_background_facts_only_the_inserted_sentences_state_anything(dis
         assert all(subject in archive.reserved for _, subject, _ in stated)
         # the documents keep their length: filler takes the background facts' place
         assert len(archive.text(0)) >= 4 * 600
-        demo = envs.demonstrate(gymnasium.make(ID, hops=hops, distance=3, doc_tokens=600,
-                                               distractors=distractors, background_facts=False),
-                                expert, seed=seed)  # fmt: skip
-        assert demo.outcome["success"]
-    with_background = LongHorizonEnv(hops=hops, distance=3, doc_tokens=600, distractors=0)
+        assert envs.demonstrate(wrapped, expert, seed=seed).outcome["success"]
+    with_background = LongHorizonEnv(**kwargs | {"distractors": 0})
     with_background.reset(seed=0)
     assert len(list(facts_in(with_background.archive.text(0)))) > 5  # the default has many
 
