@@ -16,6 +16,7 @@ and does nothing otherwise. The config travels to the actors with the rest of th
     kill_learner_at: S           the learner is SIGKILLed when step S begins
     disk_full_at: S              the checkpoint of step S fails with ENOSPC halfway through the
                                  learner's tensor file
+    slow_learner: "S:X"          learner step S sleeps X s after reading its batch
     slow_driver_s: X             async mode: the driver's bookkeeping of each step sleeps X s
 
 Every function takes the FaultsConfig (None: no fault). A leaf module: it imports nothing of
@@ -125,6 +126,15 @@ def disk_full(faults: FaultsConfig | None, directory: Path, step: int, rank: int
     with open(path, "r+b") as fh:
         fh.truncate(path.stat().st_size // 2)
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def slow_learner(faults: FaultsConfig | None, step: int) -> None:
+    """At the chosen learner step (1-based), sleep its seconds (after the batch was read)."""
+    if faults is None or faults.slow_learner is None:
+        return
+    chosen, seconds = faults.slow_learner.split(":")
+    if int(chosen) == step:
+        time.sleep(float(seconds))
 
 
 def slow_driver(faults: FaultsConfig | None) -> None:

@@ -424,6 +424,7 @@ class StageConfig(Section):
 
 _WORKER = 'use "<worker index>:<groups>" or "any:<groups>" (e.g. "0:2", "any:0")'
 _PUSH = 'use "<worker index>:<version>" (e.g. "1:2")'
+_SLOW = 'use "<learner step>:<seconds>" (e.g. "4:120")'
 
 
 def _pair(pattern: str, form: str):
@@ -468,6 +469,9 @@ class FaultsConfig(Section):
     disk_full_at: Positive | None = None
     """The checkpoint of this step fails with ENOSPC after cutting the learner's tensor file in
     half, as a disk that filled up during the write would."""
+    slow_learner: Annotated[str | None, BeforeValidator(_pair(r"\d+:\d+(\.\d+)?", _SLOW))] = None
+    """`"S:X"`: learner step S (1-based) takes X s longer after reading its batch, as a step at
+    long context does (the async driver's stop then waits for it). Quote it."""
     slow_driver_s: Annotated[float, Field(ge=0)] = 0.0
     """Async mode: the driver's bookkeeping of every step takes this many seconds longer (the
     learner trains the next step meanwhile: learner/between_steps_seconds stays small)."""

@@ -168,6 +168,7 @@ class Learner:
         entry_ids, groups = self.read_batch() if self.shard.leader else ([], [])
         read_notes = copy.deepcopy(self.ledger)  # acked while reading: duplicates, dead letters
         wait = time.perf_counter() - wait
+        faults.slow_learner(self.faults, self.version + 1)  # testing.faults (rl/faults.py)
         groups = sorted(self.shard.share_groups(groups), key=_group_key)  # arrival order varies
         self.last_groups = groups
         count = len(groups)

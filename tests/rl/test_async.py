@@ -148,3 +148,41 @@ def test_the_learner_trains_the_next_step_while_the_driver_books_this_one(tmp_pa
     assert all(ahead[k] > 0.5 for k in (1, 2, 4)), ahead  # started during the 1 s of k
     assert ahead[3] < 0, ahead  # after the checkpoint of step 3 was logged
     assert all(records[k]["learner/between_steps_seconds"] >= 0 for k in range(2, 6))
+
+
+def test_a_second_ctrl_c_leaves_a_stopping_run_at_once_and_resume_loses_nothing(tmp_path):
+    """Ctrl-C while the learner is mid-step: the driver stops the step and waits for it, saying
+    so ("Ctrl-C again: leave now"); a second Ctrl-C leaves within seconds, not after the step
+    (testing.faults.slow_learner makes step 4 two minutes long), with no Ray or Redis process
+    left; a resume from the step-2 checkpoint then trains every group once and loses none."""
+    steps = 5
+    proc = start([CONFIG, *overrides(tmp_path, steps), "checkpoint_every=2",
+                  "testing.faults.slow_learner='4:120'"])  # fmt: skip
+    seen = ""
+    deadline = time.monotonic() + 300
+    while "step   3/5" not in seen and proc.poll() is None and time.monotonic() < deadline:
+        seen += proc.stdout.readline()  # step 3 is booked while step 4 trains ahead
+    assert "step   3/5" in seen, seen[-3000:]
+    started = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the driver's process group
+    while "Ctrl-C again: leave now" not in seen and proc.poll() is None:
+        seen += proc.stdout.readline()
+    assert "stopping: waiting for learner step 4" in seen, seen[-3000:]
+    second = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 130, (seen + rest)[-3000:]
+    assert time.monotonic() - second < 60, "the second Ctrl-C waited for the step (120 s)"
+    time.sleep(1)
+    assert not alive(started), "processes outlived the second Ctrl-C"
+    run_dir = run_dir_of(tmp_path)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "rl.cli", "train", "--resume", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from step-000002" in resumed.stdout
+    check_books(account(run_dir), steps, "a second Ctrl-C, resumed")

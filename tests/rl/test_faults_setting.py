@@ -8,6 +8,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,9 +81,11 @@ def test_faults_load_under_pytest():
             "testing.faults.poison_saved=true",
             "testing.faults.kill_learner_at=5",
             "testing.faults.disk_full_at=6",
+            "testing.faults.slow_learner='4:0.5'",
         ],
     )
     f = cfg.testing.faults
+    assert f.slow_learner == "4:0.5"
     assert f.nan_loss == [2, 5, 6, 7] and f.reward_raises == 3 and f.kill_worker == "any:0"
     assert (f.kill_worker_on_push, f.kill_learner_at, f.disk_full_at) == ("1:2", 5, 6)
     assert f.poison_saved is True and f.active()["poison_saved"] is True
@@ -103,6 +106,8 @@ def test_faults_load_under_pytest():
         ("testing.faults.poison_saved=1", "true or false"),
         ("testing.faults.reward_raises=0", "> 0"),
         ("testing.faults.nan_loss=2", "list"),
+        ("testing.faults.slow_learner=4", "<learner step>:<seconds>"),
+        ("testing.faults.slow_learner='4:x'", "got '4:x'"),
         ("testing.faults.kill_everything=1", "unknown key"),
     ],
 )
@@ -159,6 +164,13 @@ def test_each_fault_fires_only_where_it_is_set(tmp_path):
     faults.kill_on_push(None, 1, 1, 2)
     faults.kill_learner(FaultsConfig(kill_learner_at=4), 3)
     faults.kill_learner(None, 4)
+    slow = FaultsConfig(slow_learner="4:0.3")
+    begun = time.monotonic()
+    faults.slow_learner(slow, 3)  # another step: no sleep
+    faults.slow_learner(None, 4)  # no fault: no sleep
+    assert time.monotonic() - begun < 0.2
+    faults.slow_learner(slow, 4)
+    assert time.monotonic() - begun >= 0.3
 
     shard = tmp_path / "learner" / "shard-00001-of-00001.safetensors"
     shard.parent.mkdir()
