@@ -16,6 +16,7 @@ import functools
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,9 +46,20 @@ async def run(base_url: str, task: dict) -> str:
     return str(result.final_output)
 
 
-@functools.cache
 def calc_server_url() -> str:
-    """Start the calculator MCP server over HTTP once per process; its URL."""
+    """The URL of this process's calculator MCP server (streamable HTTP), started on first use.
+    Episodes run side by side on threads: the lock makes the first ones wait for one server
+    instead of each starting its own (a bare cache would start one per thread that got there
+    first: 6 per worker, ~3 CPU-s each)."""
+    with _STARTING:
+        return _start_calc_server()
+
+
+_STARTING = threading.Lock()
+
+
+@functools.cache
+def _start_calc_server() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import gymnasium
 import pytest
@@ -240,3 +243,30 @@ def test_a_request_that_rewrites_the_history_is_an_env_error(tasks):
     with pytest.raises(ValueError, match="resend its history"):
         env.step(assistant("", [tool_call("add", {"a": 1, "b": 1})]))
     env.close()
+
+
+def _calc_servers() -> set[int]:
+    """This process's children that run the example calculator MCP server."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == os.getpid() and b"calc_server.py" in command:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def test_the_example_agent_starts_one_mcp_server_however_many_episodes_start_at_once():
+    """configs/harness/calc_agent.py: a worker starts its episodes side by side on threads, and
+    each asks for the MCP server's URL at once; one server is started for all of them (a bare
+    functools.cache started one per thread: 6 per worker, 12 processes on 2 cores)."""
+    from configs.harness import calc_agent
+
+    before = _calc_servers()
+    with ThreadPoolExecutor(6) as pool:
+        urls = set(pool.map(lambda _: calc_agent.calc_server_url(), range(6)))
+    assert len(urls) == 1
+    assert len(_calc_servers() - before) <= 1  # none if an earlier test of this process began it
