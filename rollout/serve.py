@@ -23,6 +23,7 @@ instead, the saved states let any worker continue them.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -72,6 +73,9 @@ class AsyncRollouts:
         self.worker, self.queue, self.loop, self.opt = worker, queue, loop, options
         self.groups: dict[str, _Group] = {}
         self.free_envs: list[Any] = []
+        # the serve loop writes finished trajectories and counters; drain() (another actor
+        # thread, each step) takes them: both under this lock, or updates get lost
+        self.books = threading.Lock()
         self.finished: list[Trajectory] = []
         self.counters = {
             "restored_episodes": 0,
@@ -195,7 +199,7 @@ class AsyncRollouts:
                 self.free_envs.append(r.env)
                 continue
             r.group.saved_turns[r.index] = restored.traj.num_turns
-            self.counters["restored_episodes"] += 1
+            self._count("restored_episodes", 1)
             restored.traj.traj_id, restored.traj.attempt = key, attempt
             self.loop.add(restored)
 
@@ -212,7 +216,7 @@ class AsyncRollouts:
         )
         r.group.done[r.index] = traj
         self.queue.save_episodes(task.group_id, {r.index: encode_episode(traj, {"final": 1})})
-        self.counters["restore_failures"] += 1
+        self._count("restore_failures", 1)
         discard(r.env)
 
     # -- progress ------------------------------------------------------------------------------
@@ -270,9 +274,10 @@ class AsyncRollouts:
                 consumer=self.opt.consumer,
             )
             if produced is None:  # another worker took the task over: it produces the group
-                self.counters["refused_groups"] += 1
+                self._count("refused_groups", 1)
                 continue
-            self.finished.extend(trajs)
+            with self.books:
+                self.finished.extend(trajs)
             self.produced_groups += 1
 
     def _wait(self, allowed: bool, start: float) -> None:
@@ -281,16 +286,23 @@ class AsyncRollouts:
         elif not self.loop.live or not allowed:
             time.sleep(0.02)
         key = "idle_seconds" if allowed else "paused_seconds"
-        self.counters[key] += time.monotonic() - start
+        self._count(key, time.monotonic() - start)
+
+    def _count(self, key: str, amount: float) -> None:
+        with self.books:
+            self.counters[key] += amount
 
     def drain(self) -> tuple[list[Trajectory], dict[str, float]]:
         """Trajectories finished since the last call, and the counters (then reset), with the
-        tokens sampled since the last call (finished episodes or not)."""
-        out, self.finished = self.finished, []
-        counters = dict(self.counters)
-        self.counters = {k: 0 * v for k, v in self.counters.items()}
-        counters["sampled_tokens"] = float(self.loop.generated - self.drained_tokens)
-        self.drained_tokens = self.loop.generated
+        tokens sampled since the last call (finished episodes or not). Called from another
+        thread than the serve loop's (rl/run/actors.py WorkerHost.drain)."""
+        with self.books:
+            out, self.finished = self.finished, []
+            counters = dict(self.counters)
+            self.counters = {k: 0 * v for k, v in self.counters.items()}
+        generated = self.loop.generated  # read once: the serve loop keeps adding to it
+        counters["sampled_tokens"] = float(generated - self.drained_tokens)
+        self.drained_tokens = generated
         return out, counters
 
 

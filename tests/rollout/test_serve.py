@@ -5,6 +5,7 @@ turns (env state included) under a new attempt, and a token budget pauses and sa
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 
@@ -277,3 +278,29 @@ def test_a_restore_that_hangs_times_out_as_an_env_error(tokenizer, redis_server)
     # the deadline cannot pass early (>= 0.3 s); nominal well under 1 s, and a loaded machine
     # gets plenty of slack while staying far under the 60 s the hung restore would take
     assert 0.3 <= seconds < 20, seconds
+
+
+def test_counts_taken_by_drain_on_another_thread_are_never_lost(tokenizer, redis_server):
+    """WorkerHost.drain runs on another actor thread than the serve loop, every step: every
+    count the loop books while drains come and go is in exactly one drain (without the lock, a
+    `+=` that straddled drain's copy and swap of the counters was lost)."""
+    serve, _, _ = make(tokenizer, redis_server.client(), "w0")
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    counts, rounds = 0.0, 60_000
+    try:
+        loop_thread = threading.Thread(
+            target=lambda: [
+                (serve._count("refused_groups", 1), serve._count("idle_seconds", 0.5))
+                for _ in range(rounds)
+            ]
+        )
+        loop_thread.start()
+        while loop_thread.is_alive():
+            _, counters = serve.drain()
+            counts += counters["refused_groups"] + counters["idle_seconds"]
+        _, counters = serve.drain()
+        counts += counters["refused_groups"] + counters["idle_seconds"]
+    finally:
+        sys.setswitchinterval(switch)
+    assert counts == 1.5 * rounds
