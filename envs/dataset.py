@@ -22,6 +22,7 @@ purpose. With a "module:function" or judge grader the reference is not guarantee
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,10 @@ class DatasetEnv(ToolEnv):
         self.mcp_servers = list(mcp or [])
         self.row: dict[str, Any] = {}
         self._mcp: Any = None
+        # an abandoned reset (a restore past its timeout) may still be starting the servers
+        # on the tool pool when the rollout closes the env on another thread
+        self._mcp_lock = threading.Lock()
+        self._closes = 0  # close() calls so far: one during a start makes that start void
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """As ToolEnv.reset; the seed itself picks the row, so it is kept in the options (which
@@ -126,17 +131,28 @@ class DatasetEnv(ToolEnv):
             return
         from envs.mcp import MCPTools, attach  # here: an env without MCP never imports the SDK
 
+        closes = self._closes
         client = MCPTools(self.mcp_servers, timeout_s=self.tool_timeout_s or 30.0).start()
+        with self._mcp_lock:
+            closed = self._closes != closes
+            if not closed:
+                self._mcp = client
+        if closed:  # closed while the servers started: stop them now, not at garbage collection
+            client.close()
+            raise RuntimeError("the env was closed while its MCP servers were starting")
         try:
             attach(self.toolbox, client)
         except BaseException:
-            client.close()
+            with self._mcp_lock:
+                self._mcp = None
+            client.close()  # idempotent (a close() meanwhile may have closed it too)
             raise
-        self._mcp = client
 
     def close(self) -> None:
-        if self._mcp is not None:
+        with self._mcp_lock:
+            self._closes += 1
             client, self._mcp = self._mcp, None
+        if client is not None:
             client.close()
         super().close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import gymnasium
@@ -293,3 +294,45 @@ def test_mcp_tools_join_on_the_first_reset_and_stop_on_close(tasks):
     assert env.step(assistant(str(row["answer"])))[1] == 1.0
     env.close()
     assert env._mcp is None
+
+
+def test_a_close_while_the_mcp_servers_start_stops_them_at_once(monkeypatch):
+    """A restore past its timeout is abandoned while its reset is still starting the env's MCP
+    servers on the tool pool, and the rollout closes the env on another thread
+    (rollout/episode.py discard): the servers that come up after the close are stopped then
+    (not left running until garbage collection), and that reset fails saying why."""
+    import envs.mcp
+
+    started, release, closed = threading.Event(), threading.Event(), []
+
+    class SlowTools:  # MCPTools whose start() blocks until the test releases it
+        def __init__(self, servers, timeout_s):
+            pass
+
+        def start(self):
+            started.set()
+            release.wait(10)
+            return self
+
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setattr(envs.mcp, "MCPTools", SlowTools)
+    monkeypatch.setattr(envs.mcp, "attach", lambda toolbox, client: None)  # no tools to add
+    env = DatasetEnv(mcp=[{"command": "python", "args": ["server.py"]}])
+    errors = []
+
+    def reset():
+        try:
+            env.reset(seed=1)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    resetting = threading.Thread(target=reset)
+    resetting.start()
+    assert started.wait(10)
+    env.close()  # nothing to stop yet: the servers are still starting
+    assert closed == []
+    release.set()
+    resetting.join(10)
+    assert len(closed) == 1 and errors == ["the env was closed while its MCP servers were starting"]
