@@ -60,6 +60,8 @@ class WorkerHost:
         self.lock = threading.Lock()
         self.staged: tuple | None = None
         self.serving = False
+        self.serve_ended = threading.Event()  # set while no serve loop runs (or is winding down)
+        self.serve_ended.set()
         self.stop_event = threading.Event()
         self.rollouts = None
         self.starts = 1  # incarnations of this worker (Ray restarts it after a crash)
@@ -91,6 +93,7 @@ class WorkerHost:
         self.catch_up()
         with self.lock:
             self.serving = True
+        self.serve_ended.clear()
         self.stop_event.clear()
         r = self.cfg.rollout
         idle = wants_idle(r.cpu_priority, self.cfg.trainer.mode, r.device)
@@ -101,6 +104,19 @@ class WorkerHost:
             with self.lock:
                 self.serving = False
             self._install_staged()
+            self.serve_ended.set()
+
+    def _after_serving(self, limit_s: float = 600.0) -> None:
+        """Evaluations and sync collections use the serve loop's decode session: wait until an
+        async serve loop has ended (the driver waits 60 s for it after the last step, then goes
+        on: a decode step at long context can take longer). Raises after `limit_s`."""
+        if self.serve_ended.wait(timeout=min(5.0, limit_s)):
+            return
+        logger.info(f"worker-{self.index}: waiting for its serve loop to stop")
+        if not self.serve_ended.wait(timeout=max(0.0, limit_s - 5.0)):
+            raise RuntimeError(
+                f"worker-{self.index}: its serve loop did not stop within {limit_s:g} s"
+            )
 
     def stop_serving(self) -> None:
         self.stop_event.set()
@@ -138,12 +154,14 @@ class WorkerHost:
     def collect(
         self, tasks: list[Task], group_size: int, sampling: SamplingParams, seed: int
     ) -> dict:
+        self._after_serving()
         self.worker.policy.reseed(seed)
         return self.worker.collect(tasks, group_size, sampling)
 
     def evaluate(
         self, seeds: list[int], samples: int, sampling: SamplingParams
     ) -> tuple[list[list[bool]], dict[str, int]]:
+        self._after_serving()
         self.worker.policy.reseed(seeds[0] if seeds else 0)
         return self.worker.evaluate(seeds, samples, sampling)
 

@@ -136,9 +136,17 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
         raise
     finally:
         bar.close()
-        for w in workers:
-            w.stop_serving.remote()
-        ray.wait(serving, num_returns=len(serving), timeout=60)
+        _stop_serving(workers, serving)
+
+
+def _stop_serving(workers: list, serving: list) -> None:
+    """Tell every serve loop to stop and wait up to 60 s for them; what comes next on a worker
+    (the final evaluation) waits for its own loop's end (rl/run/actors.py _after_serving)."""
+    for w in workers:
+        w.stop_serving.remote()
+    _, running = ray.wait(serving, num_returns=len(serving), timeout=60)
+    if running:
+        logger.warning(f"{len(running)} serve loop(s) still stopping after 60 s")
 
 
 def idle_share(metrics: dict, seconds: float, publish: float) -> dict[str, float]:
