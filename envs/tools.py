@@ -234,6 +234,8 @@ class Toolbox:
         self.timeout_s = timeout_s
         self.max_result_chars = max_result_chars
         """Results longer than this are cut (with a marker saying how much was dropped)."""
+        self.late: list[threading.Thread] = []
+        """Calls that timed out but still run (a Python thread cannot be stopped)."""
 
     @staticmethod
     def of(owner: Any, *, timeout_s: float | None = None) -> Toolbox:
@@ -296,6 +298,12 @@ class Toolbox:
     def get(self, name: str) -> BoundTool | None:
         return self._tools.get(name)
 
+    def running_late(self) -> bool:
+        """Whether a call that timed out still runs (on this env's state, which it may still
+        change): such an env must not serve another episode."""
+        self.late = [thread for thread in self.late if thread.is_alive()]
+        return bool(self.late)
+
     def call(self, call: Any) -> tuple[Message, bool]:
         """Run one tool call; returns (tool message, ok). Every failure is the message, except
         `EnvBroken` (the env cannot work any more), which propagates."""
@@ -313,7 +321,7 @@ class Toolbox:
         timeout = bound.tool.timeout_s or self.timeout_s
         try:
             kwargs = validate_arguments(bound.schema, fn.get("arguments", {}))
-            result = run_with_timeout(bound, kwargs, timeout)
+            result = run_with_timeout(bound, kwargs, timeout, late=self.late)
         except ToolError as exc:
             return _error(name, str(exc)), False
         except EnvBroken:
@@ -368,8 +376,15 @@ def _qualname(fn: Any) -> str:
     return f"{module}.{name}" if module else name
 
 
-def run_with_timeout(bound: BoundTool, kwargs: dict[str, Any], timeout_s: float | None) -> Any:
-    """Call a sync or async tool; raise ToolError if it takes longer than `timeout_s`."""
+def run_with_timeout(
+    bound: BoundTool,
+    kwargs: dict[str, Any],
+    timeout_s: float | None,
+    *,
+    late: list[threading.Thread] | None = None,
+) -> Any:
+    """Call a sync or async tool; raise ToolError if it takes longer than `timeout_s` (its
+    thread, still running, is added to `late`)."""
     if timeout_s is None and not bound.tool.is_async:
         return bound(**kwargs)
     box: dict[str, Any] = {}
@@ -389,6 +404,8 @@ def run_with_timeout(bound: BoundTool, kwargs: dict[str, Any], timeout_s: float 
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
+        if late is not None:
+            late.append(worker)
         raise ToolError(f"{bound.name} timed out after {timeout_s:g} s")
     if "error" in box:
         raise box["error"]

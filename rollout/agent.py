@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from policy.sampling import SamplingParams
-from rollout.episode import EpisodeLimits, apply_env_step, open_episode
+from rollout.episode import EpisodeLimits, apply_env_step, open_episode, tools_running_late
 from rollout.render import ChatRenderer
 from rollout.types import RolloutStatus, Trajectory
 
@@ -266,8 +266,10 @@ class AgentLoop:
 
     def _after_env_step(self, episode: Episode, future: Future) -> None:
         ids = apply_env_step(episode, future.result, self.renderer)
+        if tools_running_late(episode.env):  # a timed-out tool call may still change the env
+            episode.env_broken = True
         if ids is None:  # finished; an env whose step raised is not trusted with another
-            episode.env_broken = episode.traj.status is RolloutStatus.ENV_ERROR
+            episode.env_broken |= episode.traj.status is RolloutStatus.ENV_ERROR
             return
         if episode.traj.num_turns >= self.limits.max_turns:
             episode.finish(RolloutStatus.TRUNCATED, "out of turns")

@@ -83,6 +83,14 @@ def restorable(env) -> bool:
     return bool(getattr(getattr(env, "unwrapped", env), "restorable", True))
 
 
+def tools_running_late(env) -> bool:
+    """Whether a tool call of `env` that timed out still runs on the env's state (a ToolEnv's
+    `toolbox.running_late()`): the episode goes on, but the env is not reused after it."""
+    toolbox = getattr(getattr(env, "unwrapped", env), "toolbox", None)
+    running_late = getattr(toolbox, "running_late", None)
+    return bool(running_late is not None and running_late())
+
+
 def discard(env) -> None:
     """Close an env that will not be used again, on a daemon thread: a timed-out tool may
     still hold it, and its close (an agent's endpoint, MCP servers) must not stall the loop."""

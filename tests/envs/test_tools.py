@@ -197,3 +197,25 @@ def test_a_tool_without_docs_fails_at_class_definition():
             @tool
             def nodoc(self, x: int) -> int:
                 return x
+
+
+class Napping(Toy):
+    @tool(timeout_s=0.1)
+    def nap(self) -> str:
+        """Answer after the timeout."""
+        time.sleep(0.5)
+        return "late"
+
+
+def test_a_call_that_timed_out_and_still_runs_is_reported_until_it_ends():
+    """A Python thread cannot be stopped: `nap` goes on after its timeout, on the env's state.
+    The toolbox says so (the rollout then does not reuse the env) until the thread has ended."""
+    env = Napping()
+    env.reset(seed=0)
+    env.step(assistant("", [tool_call("add", {"a": 2, "b": 3})]))
+    assert not env.toolbox.running_late()
+    obs, *_ = env.step(assistant("", [tool_call("nap", {})]))
+    assert "nap timed out after 0.1 s" in obs[0]["content"]
+    assert env.toolbox.running_late()
+    env.toolbox.late[0].join(5)
+    assert not env.toolbox.running_late() and env.toolbox.late == []

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import envs  # noqa: F401
+from envs.calculator import CalculatorEnv
+from envs.tools import tool
 from policy.sampling import SamplingParams
 from rollout.agent import AgentLoop, Episode, RouteBuffer, _extend_routes, run_all, start_episode
 from rollout.episode import EpisodeLimits, run_episodes
@@ -377,3 +379,34 @@ def test_a_restored_episode_skips_the_routes_of_its_history_forwarded_again():
     _extend_routes(episode, None)  # a session that records nothing
     np.testing.assert_array_equal(episode.routes.view(), np.concatenate([kept, forwarded[4:]]))
     assert episode.skip_routes == 0
+
+
+class SlowToolCalculator(CalculatorEnv):
+    """The calculator whose tool answers after its own (tool-level) timeout: the call ends as
+    a "timed out" observation and the episode goes on, while the call's thread still runs."""
+
+    @tool
+    def calculate(self, expression: str) -> str:
+        """Evaluate an arithmetic expression, slowly.
+
+        Args:
+            expression: Numbers with + - * / and parentheses.
+        """
+        time.sleep(1.5)
+        return "0"
+
+
+def test_an_env_whose_timed_out_tool_still_runs_is_not_reused(tokenizer):
+    """The episode continues past the tool's timeout (an error observation), but the env is
+    marked broken, so the worker closes it instead of giving it to the next episode, whose
+    reset the late call could still change."""
+    renderer = ChatRenderer(tokenizer)
+    loop = AgentLoop(
+        ScriptedSession(tokenizer, expert_script(tokenizer)), renderer, EpisodeLimits()
+    )
+    eps = episodes(renderer, 2)
+    eps[1] = start_episode(SlowToolCalculator(tool_timeout_s=0.2), 1, "g/1", "t1", renderer)
+    trajs = run_all(loop, eps, params_for(renderer), max_live=2)
+    assert trajs[1].status is not RolloutStatus.ENV_ERROR  # not an env error: the episode went on
+    assert any("timed out after 0.2 s" in str(m.get("content")) for m in trajs[1].messages)
+    assert eps[1].env_broken and not eps[0].env_broken
