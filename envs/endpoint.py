@@ -75,9 +75,16 @@ class Request:
             self._answer = (status, body)
             self._done.set()
 
+    @property
+    def answered(self) -> bool:
+        """Answered already (a reply, a failure or, past its wait, a 504): nothing to sample."""
+        return self._done.is_set()
+
     def wait(self, timeout_s: float | None) -> tuple[int, dict[str, Any]]:
+        """The answer, or 504 after `timeout_s`; the request then counts as answered, so a
+        server still holding it skips it instead of sampling for a client that has gone."""
         if not self._done.wait(timeout_s):
-            return 504, {"error": {"message": "no reply from the policy in time"}}
+            self.fail(504, "no reply from the policy in time")
         assert self._answer is not None
         return self._answer
 

@@ -131,7 +131,7 @@ class ModelServer:
                 batch.append(self.endpoint.inbox.get_nowait())
             except queue.Empty:
                 break
-        return batch
+        return [request for request in batch if not request.answered]  # 504s: client gone
 
     def serve_batch(self, requests: list[Request]) -> None:
         """Answer every request: one generate call per distinct set of sampling settings."""

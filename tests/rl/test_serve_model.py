@@ -274,3 +274,22 @@ def test_close_refuses_what_still_waits(loaded):
     server.close()
     asker.join(30)
     assert answers[0][0] == 503 and "shutting down" in answers[0][1]["error"]["message"]
+
+
+def test_a_request_answered_504_is_not_sampled_later(loaded):
+    """A request that waited past the server's reply timeout got its 504 (the client has gone
+    on); when the server reaches it in its queue it skips it instead of sampling a reply that
+    nobody reads ahead of the live requests."""
+    policy, renderer, context = loaded
+    server = make_server(policy, renderer, context, reply_timeout_s=0.3)  # not started yet
+    hello = {"messages": [{"role": "user", "content": "hi"}]}
+    status, body = post(server.url + "/chat/completions", hello)
+    assert status == 504 and "no reply from the policy in time" in body["error"]["message"]
+    assert server.endpoint.inbox.qsize() == 1  # still queued, answered
+    before = len(policy.calls)
+    with server:
+        deadline = time.monotonic() + 10
+        while server.endpoint.inbox.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+    assert server.endpoint.inbox.qsize() == 0 and policy.calls[before:] == []
