@@ -103,8 +103,10 @@ class WorkerHost:
         finally:
             with self.lock:
                 self.serving = False
-            self._install_staged()
-            self.serve_ended.set()
+            try:
+                self._install_staged()
+            finally:  # an install that raises must not leave an evaluation waiting
+                self.serve_ended.set()
 
     def _after_serving(self, limit_s: float = 600.0) -> None:
         """Evaluations and sync collections use the serve loop's decode session: wait until an

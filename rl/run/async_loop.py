@@ -269,9 +269,14 @@ def _worker_metrics(count: int, asked: list, seconds: float, late: list) -> dict
 
 
 def _answer(ref) -> dict | None:
+    """A worker's counters, or None when it died with the call (its restart reports). A call
+    that raised is a bug in the worker: it stops the run, as in sync mode, rather than leave
+    the step's rollout metrics, and the env-error check on them, silently out."""
     try:
         return ray.get(ref)
-    except ray.exceptions.RayError:  # the worker died with the call: its restart reports
+    except ray.exceptions.RayTaskError:
+        raise
+    except ray.exceptions.RayError:
         return None
 
 

@@ -320,7 +320,7 @@ class RedisWatchdog:
             self.restarts, start = self.restarts + 1, time.monotonic()
             try:
                 self.server.restart()
-            except LaunchError as exc:
+            except Exception as exc:  # LaunchError, or the fork itself failing (ENOMEM, EMFILE)
                 self.failure = f"the run's redis-server died ({how}) and did not restart: {exc}"
                 return
             self.completed += 1

@@ -77,3 +77,25 @@ def test_the_watchdog_gives_up_after_its_restarts(tmp_path):
     finally:
         watchdog.stop()
         server.stop()
+
+
+def test_a_restart_that_fails_in_any_way_is_the_watchdogs_failure():
+    """A redis-server that died and whose restart cannot even fork (ENOMEM, EMFILE: an OSError,
+    not our LaunchError) is reported as lost, with the cause: the run stops with RedisLost and
+    its resume hint instead of a generic connection error half a minute later."""
+
+    class DeadServer:  # the watchdog's view of a RedisServer
+        process = type("Exited", (), {"poll": staticmethod(lambda: -9)})()
+
+        def restart(self):
+            raise OSError(errno.EAGAIN, "fork failed")
+
+    watchdog = RedisWatchdog(DeadServer())
+    try:
+        deadline = time.monotonic() + 10
+        while watchdog.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watchdog.failure is not None, "the watchdog's thread died without a word"
+        assert "did not restart" in watchdog.failure and "fork failed" in watchdog.failure
+    finally:
+        watchdog.stop()

@@ -42,3 +42,33 @@ def test_a_serve_loop_that_never_ends_fails_the_evaluation_by_name():
     host = host_with_fake_worker([])
     with pytest.raises(RuntimeError, match=r"worker-0: its serve loop did not stop within 0.2 s"):
         host._after_serving(limit_s=0.2)
+
+
+@pytest.mark.distributed
+def test_a_drain_that_raises_stops_the_run_and_a_dead_worker_does_not():
+    """The async driver's read of a worker's counters (rl/run/async_loop.py _answer): a worker
+    that died with the call reports after its restart (None), but a call that raised is a bug
+    that must stop the run; it had been taken for a death, leaving the step's rollout metrics
+    and the env-error check on them silently out."""
+    import ray
+
+    from rl.run.async_loop import _answer
+
+    @ray.remote
+    class Drains:
+        def drain(self):
+            raise AttributeError("'NoneType' object has no attribute 'startswith'")
+
+        def die(self):
+            import os
+
+            os._exit(1)
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="error")
+    try:
+        worker = Drains.remote()
+        with pytest.raises(ray.exceptions.RayTaskError, match="startswith"):
+            _answer(worker.drain.remote())
+        assert _answer(worker.die.remote()) is None
+    finally:
+        ray.shutdown()
