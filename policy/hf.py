@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+import policy.k3  # noqa: F401  (registers agentrl_k3 with transformers' Auto classes)
 from policy.generate import generate
-from policy.k3 import K3Config, k3_preset
+from policy.model_config import model_config
 from policy.sampling import Completion, SamplingParams
 
 
@@ -25,16 +26,7 @@ def build_model(model_type: str, config: dict[str, Any], *, vocab_size: int, see
     """A freshly initialised causal LM of `model_type` (e.g. "qwen3", "llama", "agentrl_k3")
     with `config`; for agentrl_k3, `config["preset"]` names a K3 preset and the other keys
     override its fields."""
-    config = dict(config)
-    preset = config.pop("preset", None)
-    if model_type == K3Config.model_type:
-        if preset is None:
-            raise ValueError("an agentrl_k3 policy needs config.preset (k3-debug, k3-tiny or k3)")
-        hf_config = k3_preset(preset, vocab_size=vocab_size, **config)
-    elif preset is not None:
-        raise ValueError(f"presets exist for {K3Config.model_type} only, not {model_type!r}")
-    else:
-        hf_config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **config)
+    hf_config = model_config(model_type, config, vocab_size=vocab_size)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
 

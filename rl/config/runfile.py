@@ -103,8 +103,8 @@ class RunConfig(Section):
 
     name: Name = "run"
     """The run's name: run directories are <output_dir>/<name>-<timestamp>."""
-    seed: int = 0
-    """Seeds task draws, sampling and model initialisation."""
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds task draws, sampling and model initialisation (0 to 2^32 - 1, as numpy takes)."""
     output_dir: str = "runs"
     """Run directories are created under here: <output_dir>/<name>-<timestamp>/."""
     checkpoint_every: int = Field(10, ge=0)

@@ -48,7 +48,7 @@ class RayConfig(Section):
     job submit`) or "ray://host:port" (Ray Client) joins a cluster (docs/cluster.md)."""
     num_cpus: Positive | None = None
     """CPUs of the local Ray (default: all of this machine's)."""
-    object_store_mb: int = Field(512, gt=0)
+    object_store_mb: int = Field(512, ge=75)
     """Object store size of the local Ray, in MiB."""
     runtime_env: RuntimeEnv = Field(default_factory=dict)
     """Ray's runtime environment for the run's actors, passed to ray.init (local and cluster):
@@ -348,9 +348,9 @@ class MetricsConfig(Section):
 
     tensorboard: bool = True
     """Also write TensorBoard events to <run>/tensorboard."""
-    collapse_window: int = 5
+    collapse_window: int = Field(5, gt=0)
     """Steps in the rolling mean used to detect a reward collapse."""
-    collapse_drop: float = 0.3
+    collapse_drop: float = Field(0.3, gt=0, le=1)
     """A fall of the rolling mean success this far below its best is reported as a collapse."""
     trajectories: int = Field(32, ge=0)
     """Trajectories per step recorded in <run>/trajectories.jsonl for `agentrl show` (whole

@@ -48,8 +48,37 @@ def check_env(cfg: RunConfig) -> None:
             (f"sft.kwargs_mix.{i}.kwargs", v.kwargs) for i, v in enumerate(cfg.sft.kwargs_mix)
         ]
         _check_one_env(cfg.env, "env.", [("env.kwargs", {}), *stages])
-    if cfg.policy.path is not None and not Path(cfg.policy.path).is_dir():
-        raise ConfigError("policy.path", f"{cfg.policy.path!r} is not a directory")
+    check_policy(cfg)
+
+
+def check_policy(cfg: RunConfig) -> None:
+    """`policy.path` is a saved model (its config.json and tokenizer); a fresh policy's model
+    config builds (policy/model_config.py: the model type, a preset only for agentrl_k3, the
+    preset's name, every config key a field of the model's config)."""
+    p = cfg.policy
+    if p.path is not None:
+        where = Path(p.path)
+        if not where.is_dir():
+            raise ConfigError("policy.path", f"{p.path!r} is not a directory")
+        missing = [f for f in ("config.json", "tokenizer_config.json") if not (where / f).is_file()]
+        if missing:
+            run = (where / "final-model").is_dir()  # a run directory
+            hint = f"; did you mean {str(where / 'final-model')!r}?" if run else ""
+            raise ConfigError(
+                "policy.path",
+                f"{p.path!r} has no {' and no '.join(missing)}: name a saved model directory "
+                f"(a run's final-model, sft-model or policy-init, or a transformers model){hint}",
+            )
+        return
+    from policy.model_config import model_config
+
+    try:
+        model_config(p.model_type, p.config, vocab_size=p.vocab_size)
+    except ValueError as exc:
+        text = str(exc)
+        key = "policy.model_type" if "model type" in text else "policy.config"
+        key += ".preset" * ("preset" in text)
+        raise ConfigError(key, text) from None
 
 
 def _check_one_env(env: Any, prefix: str, stages: list[tuple[str, dict]]) -> None:

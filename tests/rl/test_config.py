@@ -52,12 +52,53 @@ def test_quickstart_loads_and_overrides_apply():
         ("trainer.lr=.nan", "trainer.lr", "finite"),
         ("trainer=3", "trainer", "expected a mapping"),
         ("checkpoint.keep_last=-1", "checkpoint.keep_last", "must be >= 0"),
+        ("seed=-1", "seed", "must be >= 0"),  # numpy's seeds are 0 .. 2^32 - 1
+        ("metrics.collapse_window=0", "metrics.collapse_window", "must be > 0"),
+        ("metrics.collapse_drop=-0.5", "metrics.collapse_drop", "must be > 0"),
+        ("ray.object_store_mb=50", "ray.object_store_mb", "must be >= 75"),  # Ray's minimum
     ],
 )
 def test_bad_values_name_the_key(override, key, fragment):
     err = error_for(override)
     assert err.key == key
     assert fragment in str(err)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fragment"),
+    [
+        (["policy.model_type=qwen3"], "policy.config.preset", "presets exist for agentrl_k3 only"),
+        (["policy.model_type=qwen4"], "policy.model_type", "closest: qwen3"),
+        (["policy.config.preset=k3-huge"], "policy.config.preset", "unknown preset 'k3-huge'"),
+        (["policy.config.hiden_size=64"], "policy.config", "did you mean 'hidden_size'"),
+        (["policy.config.num_experts_per_token=64"], "policy.config", "num_experts"),
+        (["policy.model_type=qwen3", "policy.config={hiden_size: 64}"], "policy.config",
+         "'hiden_size' is not a field of qwen3's config; did you mean 'hidden_size'"),
+        (["policy.path=."], "policy.path", "has no config.json"),
+    ],
+)  # fmt: skip
+def test_a_policy_that_cannot_be_built_fails_at_check_time(overrides, key, fragment):
+    """Before, each of these passed `agentrl check` and failed after Redis, Ray and the
+    tokenizer had started (policy/hf.py build_model), or (a misspelled field) was silently
+    kept as an unused attribute of the model's config."""
+    from rl.run.env_checks import check_policy
+
+    cfg = load_config(ROOT / "configs/quickstart.yaml", overrides)
+    with pytest.raises(ConfigError) as info:
+        check_policy(cfg)
+    assert info.value.key == key and fragment in str(info.value)
+
+
+def test_a_run_directory_as_policy_path_points_at_its_final_model(tmp_path):
+    from rl.run.env_checks import check_policy
+
+    (tmp_path / "final-model").mkdir()
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [f"policy.path={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"did you mean '.*/final-model'"):
+        check_policy(cfg)
+    for name in ("config.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text("{}")
+    check_policy(load_config(ROOT / "configs/quickstart.yaml", [f"policy.path={tmp_path}"]))
 
 
 @pytest.mark.parametrize(
