@@ -252,6 +252,12 @@ class RunConfig(Section):
                 f"context parallelism relays K3's KDA state and MLA latents between ranks; "
                 f"policy.model_type {kind} has none: use agentrl_k3 or set it to 1",
             )
+        if self.trainer.segment_tokens and self.policy.path is None and kind != "agentrl_k3":
+            raise ConfigError(
+                "trainer.segment_tokens",
+                f"segmented training carries K3's KDA state and MLA latents from segment to "
+                f"segment; policy.model_type {kind} has none: use agentrl_k3 or set it to 0",
+            )
         return self
 
     @model_validator(mode="after")

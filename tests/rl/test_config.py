@@ -56,6 +56,7 @@ def test_quickstart_loads_and_overrides_apply():
         ("metrics.collapse_window=0", "metrics.collapse_window", "must be > 0"),
         ("metrics.collapse_drop=-0.5", "metrics.collapse_drop", "must be > 0"),
         ("ray.object_store_mb=50", "ray.object_store_mb", "must be >= 75"),  # Ray's minimum
+        ("trainer.segment_tokens=256", "trainer.segment_tokens", "use agentrl_k3 or set it to 0"),
     ],
 )
 def test_bad_values_name_the_key(override, key, fragment):
