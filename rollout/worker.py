@@ -218,7 +218,9 @@ def summarize(trajs: list[Trajectory], *, seconds: float) -> dict[str, float]:
                 name = m.get("name") or "error"
                 name = "(invalid)" if name == "error" else name
                 _add(stats, f"tool/{name}/calls", 1)
-                _add(stats, f"tool/{name}/failures", int(m.get("content", "").startswith("Error:")))
+                content = m.get("content")  # a plugin env's may be None or a list of parts
+                failed = isinstance(content, str) and content.startswith("Error:")
+                _add(stats, f"tool/{name}/failures", int(failed))
     return stats
 
 

@@ -117,6 +117,19 @@ def test_metrics_break_down_by_part_env_and_tool(tokenizer):
     assert m["rollout/grader_errors"] == 0 and m["rollout/env_errors"] == 0
 
 
+def test_tool_messages_without_text_content_are_counted_not_fatal():
+    """A plugin env's tool message may carry no text (content None, or a list of parts): the
+    worker's counters (sync collect, async drain) count the call instead of raising, which in
+    async mode would now stop the run (rl/run/async_loop.py _answer)."""
+    messages = [
+        {"role": "tool", "name": "look", "content": None},
+        {"role": "tool", "name": "look", "content": [{"type": "text", "text": "Error: x"}]},
+        {"role": "tool", "name": "look", "content": "Error: bad"},
+    ]
+    stats = summarize([traj(messages=messages, outcome={"success": False})], seconds=1.0)
+    assert stats["tool/look/calls"] == 3 and stats["tool/look/failures"] == 1
+
+
 class StepCost(gymnasium.Wrapper):
     """The calculator with a shaped native reward: -0.25 per step on top of its 1.0 on success."""
 

@@ -13,7 +13,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,11 +28,12 @@ from tests.chaos.runs import (
     metrics,
     overrides,
     replayed_everywhere,
+    resume,
     run_dir_of,
     start,
     train,
 )
-from tests.rl.test_e2e import ROOT, alive, descendants
+from tests.rl.test_e2e import alive, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -120,14 +120,8 @@ def test_whole_job_sigkilled_then_resumed_loses_nothing(tmp_path, policy):
     proc = start([CONFIG, *overrides(tmp_path, steps), *extra])
     run_dir = kill_when_saved_mid_episode(proc, tmp_path)
     assert not (run_dir / "final-model").exists()
-    resumed = subprocess.run(
-        [sys.executable, "-m", "rl.cli", "train", "--resume", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = resume(run_dir)
+    assert resumed.returncode == 0, resumed.stdout[-6000:]
     assert "will be trained (none is lost)" in resumed.stdout
     assert sum(r.get("workers/restored_episodes", 0) for r in metrics(run_dir)) > 0
     check_books(account(run_dir), steps, f"whole job SIGKILLed, resumed ({policy})")
@@ -176,13 +170,7 @@ def test_a_second_ctrl_c_leaves_a_stopping_run_at_once_and_resume_loses_nothing(
     time.sleep(1)
     assert not alive(started), "processes outlived the second Ctrl-C"
     run_dir = run_dir_of(tmp_path)
-    resumed = subprocess.run(
-        [sys.executable, "-m", "rl.cli", "train", "--resume", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = resume(run_dir)
+    assert resumed.returncode == 0, resumed.stdout[-6000:]
     assert "resumed from step-000002" in resumed.stdout
     check_books(account(run_dir), steps, "a second Ctrl-C, resumed")

@@ -153,5 +153,9 @@ def test_an_env_without_an_expert_is_refused_unless_sft_and_the_tokenizer_need_n
     assert code == 2, out
     assert "config error: env.mix[1].id: test/NoExpert-v0 has no scripted expert" in out
     assert "sft.enabled: false and policy.path" in out
-    code, out = check(capsys, run_file, "sft.enabled=false", f"policy.path={tmp_path}")
+    saved = tmp_path / "model"  # what `agentrl check` looks for in a saved model directory
+    saved.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (saved / name).write_text("{}")
+    code, out = check(capsys, run_file, "sft.enabled=false", f"policy.path={saved}")
     assert code == 0 and "config ok" in out, out
