@@ -59,7 +59,7 @@ class RolloutWorker:
         """Env steps run at once (each AgentLoop's tool pool)."""
         self._envs: list[Any] = []
         self._session = None
-        self._env_errors_seen: set[str] = set()
+        self._env_errors_seen: set[str] = set()  # env and grader errors: each logged once
 
     def reconfigure(self, limits: EpisodeLimits, env_factory: Callable[[], Any]) -> None:
         """New episode limits and envs from the next episode on (a curriculum stage begins)."""
@@ -154,6 +154,9 @@ class RolloutWorker:
         except Exception as exc:  # recorded and excluded, never silently scored
             traj.status = RolloutStatus.GRADER_ERROR
             traj.finish_detail = f"reward raised {type(exc).__name__}: {exc}"
+            if traj.finish_detail not in self._env_errors_seen:
+                self._env_errors_seen.add(traj.finish_detail)
+                logger.warning("grader error in %s: %s", traj.task_id, traj.finish_detail)
 
     def evaluate(
         self, seeds: list[int], samples: int, sampling: SamplingParams

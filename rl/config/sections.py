@@ -253,6 +253,11 @@ class RolloutConfig(Section):
     """Stop the run when more than this fraction of a step's episodes end in an env error (the
     env's reset or step raised, or a tool ran past tool_timeout_s; such episodes are counted in
     rollout/env_errors and never trained on). 1: never stop."""
+    max_grader_error_rate: float = Field(0.5, gt=0, le=1)
+    """Stop the run when more than this fraction of a step's episodes end in a grader error (a
+    reward term raised or returned NaN or inf, e.g. an env's step reward under reward.env_reward;
+    counted in rollout/grader_errors, never trained on, each distinct error logged once by the
+    workers). 1: never stop."""
     max_episodes: Positive | None = None
     """Live episodes per worker (decoded together; async mode admits new groups up to this).
     null: 64 in sync mode; in async mode room for every group trainer.max_staleness lets start,

@@ -172,6 +172,7 @@ def rollout_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
         "rollout/env_error_rate": total.get("env_errors", 0) / n,
         "rollout/episodes": total["episodes"],
         "rollout/grader_errors": total.get("grader_errors", 0),
+        "rollout/grader_error_rate": total.get("grader_errors", 0) / n,
         "rollout/tokens_per_s": total["generated_tokens"] / max(seconds, 1e-9),
         "rollout/seconds": seconds,
     }

@@ -2,7 +2,8 @@
 
 `RunAborted` is raised by the driver when the run must not go on (the learner skipped
 `trainer.max_skipped_steps` steps in a row for a non-finite loss, or more than
-`rollout.max_env_error_rate` of a step's episodes ended in an env error). `explain(exc,
+`rollout.max_env_error_rate` of a step's episodes ended in an env error, or more than
+`rollout.max_grader_error_rate` in a grader error). `explain(exc,
 run_dir)` turns the faults the chaos suite injects into such a message: the learner's process
 died, the disk filled up, Redis was lost for good, a weight push failed or timed out (naming
 the workers). Every message names the last complete checkpoint and the command that continues
@@ -59,6 +60,22 @@ def check_env_errors(step: int, metrics: dict, limit: float, env_id: str, run_di
         f"rollout.tool_timeout_s. Env-error episodes are never trained on. Run "
         f"`agentrl envs check {env_id}` to see the env fail on seeded episodes, fix it, or raise "
         f"rollout.max_env_error_rate (1: never stop). {_resume(run_dir)}"
+    )
+
+
+def check_grader_errors(step: int, metrics: dict, limit: float, run_dir: Path) -> None:
+    """Stop when more than `limit` of the step's episodes ended in a grader error."""
+    rate = metrics.get("rollout/grader_error_rate")
+    if rate is None or rate <= limit:
+        return
+    errors, episodes = metrics["rollout/grader_errors"], metrics["rollout/episodes"]
+    raise RunAborted(
+        f"{errors:.0f} of {episodes:.0f} episodes of step {step} ended in a grader error "
+        f"({rate:.0%} > rollout.max_grader_error_rate={limit:g}): a reward term raised or "
+        f"returned NaN or inf (the workers' log names each distinct error: `grader error in "
+        f"<task id>: reward raised ...`). "
+        f"Grader-error episodes are never trained on. Fix the reward or the env's step rewards, "
+        f"or raise rollout.max_grader_error_rate (1: never stop). {_resume(run_dir)}"
     )
 
 

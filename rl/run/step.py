@@ -24,7 +24,7 @@ from rl.observe.metrics import (
     redis_metrics,
 )
 from rl.run.evals import evals_at_longest
-from rl.run.failures import check_env_errors, check_skipped
+from rl.run.failures import check_env_errors, check_grader_errors, check_skipped
 from rl.run.runstate import RunState, save_checkpoint
 from rl.run.weights import push_weights
 from rollout.keys import RunKeys
@@ -91,6 +91,7 @@ class StepTail:
         self.log.log(step, metrics)
         check_skipped(step, metrics, cfg.trainer.max_skipped_steps, self.run_dir)
         check_env_errors(step, metrics, cfg.rollout.max_env_error_rate, cfg.env.id, self.run_dir)
+        check_grader_errors(step, metrics, cfg.rollout.max_grader_error_rate, self.run_dir)
         self.state.step = skip_to or step
         self.bar.write(
             console_line(step, cfg.trainer.steps, metrics) + (f"\n!!! {alarm}" * bool(alarm))

@@ -58,7 +58,9 @@ def test_a_reward_function_that_raises(tmp_path):
     is a multiple of 3 (its group fails: nothing to train) and for the first episode of every
     other group (marked grader_error and excluded; the group trains on the other three)."""
     steps = 4
-    proc = train([CONFIG, *overrides(tmp_path, steps), "testing.faults.reward_raises=3"])
+    # about half the episodes err, so a step can pass the default rate (0.5): never stop here
+    over = ["testing.faults.reward_raises=3", "rollout.max_grader_error_rate=1"]
+    proc = train([CONFIG, *overrides(tmp_path, steps), *over])
     assert proc.returncode == 0, proc.stdout[-4000:]
     run_dir = run_dir_of(tmp_path)
     records = metrics(run_dir)
@@ -69,6 +71,20 @@ def test_a_reward_function_that_raises(tmp_path):
     assert books["trained"] and failed(run_dir, "no trainable trajectory") > 0
     print(f"[a reward function that raises] {grader_errors:.0f} grader errors")
     check_books(books, steps, "a reward function that raises")
+
+
+def test_a_reward_that_always_raises_stops_the_run_after_its_first_step(tmp_path):
+    """testing.faults.reward_raises=1: every episode is a grader error, so nothing would ever
+    train; step 1's rate (100%) passes rollout.max_grader_error_rate (0.5) and the run stops
+    with one message naming the key, no traceback (before, it ran every step training nothing)."""
+    proc = train([CONFIG, *overrides(tmp_path, 3), "testing.faults.reward_raises=1"])
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    out = proc.stdout
+    assert "ended in a grader error (100% > rollout.max_grader_error_rate=0.5)" in out, out[-4000:]
+    assert "Traceback" not in out
+    records = metrics(run_dir_of(tmp_path))
+    assert [r["step"] for r in records] == [1]
+    assert records[0]["rollout/grader_error_rate"] == 1.0
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

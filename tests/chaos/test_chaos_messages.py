@@ -12,7 +12,13 @@ import pytest
 import ray
 import redis
 
-from rl.run.failures import RunAborted, check_env_errors, check_skipped, explain
+from rl.run.failures import (
+    RunAborted,
+    check_env_errors,
+    check_grader_errors,
+    check_skipped,
+    explain,
+)
 from rl.run.launch import RedisLost, RedisWatchdog, start_redis
 
 
@@ -40,6 +46,24 @@ def test_env_errors_past_the_rate_stop_the_run(tmp_path):
     check_env_errors(2, step(16, 16), 1.0, "a/B-v0", tmp_path)  # 1: never stop
     with pytest.raises(RunAborted, match=r"9 of 16 episodes of step 2 .* \(56% > rollout\.max_"):
         check_env_errors(2, step(9, 16), 0.5, "a/B-v0", tmp_path)
+
+
+def test_grader_errors_past_the_rate_stop_the_run(tmp_path):
+    def step(errors: float, episodes: float) -> dict:
+        rate = errors / episodes
+        return {"rollout/grader_errors": errors, "rollout/episodes": episodes,
+                "rollout/grader_error_rate": rate}  # fmt: skip
+
+    run_dir = run_dir_with_checkpoint(tmp_path)
+    check_grader_errors(2, {}, 0.5, run_dir)  # a step with no episodes (async)
+    check_grader_errors(2, step(8, 16), 0.5, run_dir)  # at the limit: goes on
+    check_grader_errors(2, step(16, 16), 1.0, run_dir)  # 1: never stop
+    with pytest.raises(
+        RunAborted, match=r"16 of 16 episodes of step 2 ended in a grader error"
+    ) as e:
+        check_grader_errors(2, step(16, 16), 0.5, run_dir)
+    assert "(100% > rollout.max_grader_error_rate=0.5)" in str(e.value)
+    assert f"agentrl train --resume {run_dir}" in str(e.value)
 
 
 def test_the_faults_we_know_get_one_message_naming_the_checkpoint(tmp_path):
