@@ -12,8 +12,10 @@ details hold at least `expected` and `given`:
   `envs.Outcome` (used as is). An exception it raises propagates: the rollout counts the
   episode as an env error. Any other return value raises TypeError naming the function.
 - "judge": an LLM behind an OpenAI-compatible endpoint reads the question, the reference and the
-  answer; success when its reply's first word is YES or CORRECT (see `JudgeGrader`). A failed
-  request (HTTP error, timeout, unreachable server) raises `JudgeError` naming the URL.
+  answer; success when its reply's first word is YES or CORRECT (see `JudgeGrader`). A busy
+  server (HTTP 429 or 5xx) or a refused or dropped connection is asked again (`retries`, default
+  2, waiting 0.5 s, 1 s, ... or the server's Retry-After); a request that still fails, or times
+  out, raises `JudgeError` naming the URL.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import math
 import numbers
 import os
 import re
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -36,7 +39,9 @@ from envs.types import Outcome
 
 BUILTIN_GRADERS = ("exact", "numeric", "judge")
 ALLOWED = 'exact, numeric, judge or "package.module:function"'
-JUDGE_KEYS = ("url", "model", "api_key_env", "timeout_s", "prompt")
+JUDGE_KEYS = ("url", "model", "api_key_env", "timeout_s", "retries", "prompt")
+RETRIED_HTTP = (429, 500, 502, 503, 504)  # a busy or restarting server: worth asking again
+MAX_RETRY_WAIT_S = 10.0  # the longest a judge's Retry-After is honoured
 JUDGE_PROMPT = (
     "Grade an answer to a question against the reference answer.\n\n"
     "Question:\n{question}\n\nReference answer:\n{reference}\n\nAnswer to grade:\n{answer}\n\n"
@@ -217,6 +222,10 @@ class JudgeGrader:
     api_key: str | None = None
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    retries: int = 2
+    """Further tries after a retryable failure (HTTP 429/5xx, a refused or dropped connection)."""
+    backoff_s: float = 0.5
+    """The wait before the first retry, doubled for each next (unless the server says when)."""
 
     @staticmethod
     def from_settings(settings: dict[str, Any] | None, **keys: str) -> JudgeGrader:
@@ -237,6 +246,9 @@ class JudgeGrader:
         timeout = settings.get("timeout_s", 60.0)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(f"{where}.timeout_s must be a number > 0, got {timeout!r}")
+        retries = settings.get("retries", 2)
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"{where}.retries must be an integer >= 0, got {retries!r}")
         prompt = settings.get("prompt", JUDGE_PROMPT)
         if not isinstance(prompt, str) or "{answer}" not in prompt:
             raise ValueError(f"{where}.prompt must be a string with an {{answer}} placeholder")
@@ -245,6 +257,7 @@ class JudgeGrader:
             model=model,
             prompt=prompt,
             timeout_s=float(timeout),
+            retries=retries,
             api_key=_api_key(settings.get("api_key_env"), where),
             **keys,
         )
@@ -268,7 +281,8 @@ class JudgeGrader:
         return Outcome(success=success, details=details)
 
     def ask(self, text: str) -> str:
-        """The judge's reply to one user message; JudgeError naming the URL when it fails."""
+        """The judge's reply to one user message; JudgeError naming the URL when it fails (after
+        `retries` more tries when the failure is a busy server or a lost connection)."""
         body = {"model": self.model, "messages": [{"role": "user", "content": text}]}
         body["temperature"] = 0
         headers = {"Content-Type": "application/json"}
@@ -277,20 +291,39 @@ class JudgeGrader:
         request = urllib.request.Request(
             self.endpoint, data=json.dumps(body).encode(), headers=headers, method="POST"
         )
+        for attempt in range(self.retries + 1):
+            try:
+                return self._reply(self._post(request))
+            except _Retryable as exc:
+                if attempt == self.retries:
+                    tries = f" ({attempt + 1} tries)" if attempt else ""
+                    raise JudgeError(f"{exc}{tries}") from None
+                time.sleep(exc.wait if exc.wait is not None else self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _post(self, request: urllib.request.Request) -> Any:
+        """One POST's JSON reply; `_Retryable` for a busy server or a lost connection."""
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                payload = json.loads(response.read())
+                return json.loads(response.read())
         except urllib.error.HTTPError as exc:
             said = exc.read(300).decode("utf-8", "replace")
-            raise JudgeError(f"judge {self.endpoint} answered HTTP {exc.code}: {said}") from None
+            message = f"judge {self.endpoint} answered HTTP {exc.code}: {said}"
+            if exc.code in RETRIED_HTTP:
+                raise _Retryable(message, _retry_after(exc.headers.get("Retry-After"))) from None
+            raise JudgeError(message) from None
         except (TimeoutError, urllib.error.URLError) as exc:
             reason = getattr(exc, "reason", exc)
-            if isinstance(reason, TimeoutError):
+            if isinstance(reason, TimeoutError):  # already waited timeout_s: not asked again
                 why = f"did not answer within {self.timeout_s:g} s"
                 raise JudgeError(f"judge {self.endpoint} {why}") from None
-            raise JudgeError(f"cannot reach judge {self.endpoint}: {reason}") from None
-        except (ValueError, OSError) as exc:  # a reply that is not JSON, a dropped connection
+            raise _Retryable(f"cannot reach judge {self.endpoint}: {reason}") from None
+        except ValueError as exc:  # a reply that is not JSON
             raise JudgeError(f"judge {self.endpoint}: bad reply ({exc})") from None
+        except OSError as exc:  # a dropped connection
+            raise _Retryable(f"judge {self.endpoint}: bad reply ({exc})") from None
+
+    def _reply(self, payload: Any) -> str:
         try:
             content = payload["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
@@ -298,6 +331,23 @@ class JudgeGrader:
                 f"judge {self.endpoint}: not a chat completion: {json.dumps(payload)[:200]}"
             ) from None
         return content if isinstance(content, str) else ""
+
+
+class _Retryable(Exception):
+    """A failure worth asking again; `wait`: the server's Retry-After in seconds, if any."""
+
+    def __init__(self, message: str, wait: float | None = None):
+        super().__init__(message)
+        self.wait = wait
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A Retry-After header in seconds (capped at MAX_RETRY_WAIT_S); None when absent or a date."""
+    try:
+        seconds = float(value) if value else math.nan
+    except ValueError:
+        seconds = math.nan
+    return min(max(seconds, 0.0), MAX_RETRY_WAIT_S) if math.isfinite(seconds) else None
 
 
 def _api_key(name: Any, where: str) -> str | None:

@@ -192,6 +192,11 @@ class JudgeHandler(BaseHTTPRequestHandler):
         model = body["model"]
         if model == "broken":
             return self._send(500, {"error": {"message": "out of memory"}})
+        busy = model.startswith("busy-")  # busy-N: HTTP 429 (Retry-After: 0.2) to its first N asks
+        if busy and len(self.server.requests) <= int(model.split("-")[1]):
+            return self._send(429, {"error": {"message": "rate limited"}}, retry_after="0.2")
+        if model == "unauthorised":
+            return self._send(401, {"error": {"message": "bad key"}})
         if model == "slow":
             time.sleep(60.0)  # on a daemon thread (daemon_threads): nothing waits for it
         if model == "odd":
@@ -204,10 +209,12 @@ class JudgeHandler(BaseHTTPRequestHandler):
             200, {"choices": [{"message": {"role": "assistant", "content": verdict}}]}
         )
 
-    def _send(self, code, payload):
+    def _send(self, code, payload, retry_after=None):
         data = json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
+        if retry_after is not None:
+            self.send_header("Retry-After", retry_after)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -268,12 +275,43 @@ def test_judge_failures_raise_naming_the_url(judge_url):
         odd("42", ROW)
 
 
+def test_a_busy_judge_is_asked_again_after_its_retry_after(judge_url):
+    url, requests = judge_url
+    grader = make_grader("judge", judge={"url": url, "model": "busy-2"})
+    start = time.perf_counter()
+    assert grader("42", ROW).success  # 429, 429, then the answer: the default 2 retries
+    assert len(requests) == 3 and time.perf_counter() - start >= 0.4  # waited 0.2 s twice
+    requests.clear()
+    once = make_grader("judge", judge={"url": url, "model": "busy-5", "retries": 1})
+    with pytest.raises(JudgeError, match=r"answered HTTP 429: .*rate limited.* \(2 tries\)"):
+        once("42", ROW)
+    assert len(requests) == 2
+    requests.clear()
+    never = make_grader("judge", judge={"url": url, "model": "busy-5", "retries": 0})
+    with pytest.raises(JudgeError, match=r"answered HTTP 429"):
+        never("42", ROW)
+    assert len(requests) == 1
+
+
+def test_judge_errors_that_would_fail_again_are_not_retried(judge_url):
+    url, requests = judge_url
+    for model, message in (("unauthorised", "answered HTTP 401"), ("odd", "not a chat")):
+        requests.clear()
+        with pytest.raises(JudgeError, match=message):
+            make_grader("judge", judge={"url": url, "model": model})("42", ROW)
+        assert len(requests) == 1, model
+
+
 def test_judge_unreachable_raises_naming_the_url():
     with ThreadingHTTPServer(("127.0.0.1", 0), JudgeHandler) as server:
         port = server.server_port  # closed again: nothing listens there
     grader = make_grader("judge", judge={"url": f"http://127.0.0.1:{port}/v1", "model": "m"})
-    with pytest.raises(JudgeError, match=rf"cannot reach judge http://127.0.0.1:{port}/v1"):
+    start = time.perf_counter()
+    with pytest.raises(
+        JudgeError, match=rf"cannot reach judge http://127.0.0.1:{port}/v1.*3 tries"
+    ):
         grader("42", ROW)
+    assert time.perf_counter() - start >= 1.5  # asked again after 0.5 s, then after 1 s
 
 
 @pytest.mark.parametrize(
@@ -284,6 +322,7 @@ def test_judge_unreachable_raises_naming_the_url():
         ({"url": "http://x/v1", "model": "m", "timeout_s": 0}, "timeout_s must be a number > 0"),
         ({"url": "http://x/v1", "model": "m", "prompt": "no slot"}, "{answer} placeholder"),
         ({"url": "http://x/v1", "model": "m", "temp": 1}, "env.kwargs.judge.temp: unknown key"),
+        ({"url": "http://x/v1", "model": "m", "retries": -1}, "retries must be an integer >= 0"),
         (
             {"url": "http://x/v1", "model": "m", "api_key_env": "AGENTRL_NO_SUCH_VAR"},
             "the environment variable AGENTRL_NO_SUCH_VAR is not set",
