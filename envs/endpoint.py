@@ -198,11 +198,21 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
             self._send(*answer_get(endpoint, self.path))
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
+            said = self.headers.get("Content-Length") or "0"
+            length = int(said) if said.strip().isdigit() else -1
+            if length < 0:  # unreadable: never read to the end of a kept-alive connection
+                self.close_connection = True
+                self._send(400, _problem(f"Content-Length must be a byte count, got {said!r}"))
+                return
             if length > MAX_BODY:
+                self.close_connection = True
                 self._send(413, _problem(f"request body of {length} bytes exceeds {MAX_BODY}"))
                 return
-            self._send(*answer_post(endpoint, self.path, self.rfile.read(length)))
+            raw = self.rfile.read(length)
+            try:
+                self._send(*answer_post(endpoint, self.path, raw))
+            except Exception as exc:  # a bug of ours: the client gets an answer, not a hang-up
+                self._send(500, _problem(f"internal error: {type(exc).__name__}: {exc}"))
 
         def _send(self, status: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()
@@ -272,9 +282,7 @@ def parse_request(body: dict[str, Any], model: str) -> Request:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
-    tools = body.get("tools") or []
-    if not isinstance(tools, list):
-        raise ValueError("tools must be a list")
+    tools = _list(body.get("tools") or [], "tools")
     return Request(
         messages=[normal_message(m) for m in messages],
         tools=[_tool_schema(t) for t in tools],
@@ -290,21 +298,30 @@ def normal_message(message: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message["role"], "content": _text(message.get("content"))}
     calls = message.get("tool_calls") or []
     if calls:
-        out["tool_calls"] = [
-            {
-                "id": c.get("id", ""),
-                "type": "function",
-                "function": {
-                    "name": c.get("function", {}).get("name", ""),
-                    "arguments": c.get("function", {}).get("arguments", "{}"),
-                },
-            }
-            for c in calls
-        ]
+        out["tool_calls"] = [_tool_call(c) for c in _list(calls, "a message's tool_calls")]
     for key in ("tool_call_id", "name"):
         if message.get(key):
             out[key] = message[key]
     return out
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _tool_call(call: Any) -> dict[str, Any]:
+    """A sent tool call in our shape; ValueError when it is not {"function": {"name": ...}}."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name", ""), str):
+        shape = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}'
+        raise ValueError(f"each tool call must be {shape}: got {str(call)[:120]}")
+    return {
+        "id": call.get("id", ""),
+        "type": "function",
+        "function": {"name": fn.get("name", ""), "arguments": fn.get("arguments", "{}")},
+    }
 
 
 def _text(content: Any) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import signal
@@ -194,11 +195,30 @@ def test_bad_requests_get_400_with_the_reason(served):
         ({"messages": hello, "max_tokens": 0}, "max_tokens must be an integer >= 1"),
         ({"messages": hello, "stop": ["\n"]}, "stop is not supported"),
         ({"messages": []}, "messages must be a non-empty list"),
+        ({"messages": hello, "tools": "search"}, "tools must be a list"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": "f"}]}]}, "each tool"),
+        ({"messages": [{"role": "assistant", "tool_calls": "f()"}]}, "tool_calls must be a list"),
     ]
     for body, reason in cases:
         status, answer = post(url, body)
         assert status == 400 and reason in answer["error"]["message"], (body, answer)
     assert post(served.url + "/completions", {"prompt": "x"})[0] == 404
+
+
+@pytest.mark.parametrize("length", ["abc", "-5"])
+def test_an_unreadable_content_length_gets_400_not_a_hang_up(served, length):
+    """Before, int("abc") raised in the handler (the connection dropped, no answer) and a
+    negative length read to the end of a kept-alive connection (the client waited forever)."""
+    host, port = served.url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", length)
+    conn.endheaders(b'{"messages": []}')
+    response = conn.getresponse()
+    answer = json.loads(response.read())
+    assert response.status == 400 and "Content-Length must be a byte count" in str(answer)
+    conn.close()
 
 
 def test_request_params_caps_the_reply():
