@@ -6,6 +6,19 @@ See docs/reliability.md for each attack, its limit and the measured outcome.
 """
 
 from envs.sandbox.limits import Limits
-from envs.sandbox.runner import RunResult, Sandbox, SandboxConfig, SandboxUnavailable
+from envs.sandbox.runner import (
+    RunResult,
+    Sandbox,
+    SandboxConfig,
+    SandboxLaunchFailed,
+    SandboxUnavailable,
+)
 
-__all__ = ["Limits", "RunResult", "Sandbox", "SandboxConfig", "SandboxUnavailable"]
+__all__ = [
+    "Limits",
+    "RunResult",
+    "Sandbox",
+    "SandboxConfig",
+    "SandboxLaunchFailed",
+    "SandboxUnavailable",
+]

@@ -23,15 +23,24 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from envs.sandbox.bwrap import ENV, bwrap_argv, copy_in, default_python, find_bwrap
 from envs.sandbox.limits import Limits, preexec, prlimit_argv, process_budget, sandbox_uid
+from envs.tools import EnvBroken
 
 _CHUNK = 65536
 
 
 class SandboxUnavailable(RuntimeError):
     """Isolation was required (`require_isolation=True`) but bubblewrap cannot run here."""
+
+
+class SandboxLaunchFailed(EnvBroken):
+    """The machine could not start a sandboxed run (fork or exec failed: EAGAIN, ENOMEM, EMFILE;
+    or its workspace could not be staged: ENOSPC). Not the model's doing, so not an observation
+    to train on: as an `EnvBroken`, a tool's call raises it through `Toolbox.call` and the rollout
+    ends the episode as an env error."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,9 +160,15 @@ class Sandbox:
         self, command: list[str], *, files: dict[str, str | bytes] | None = None, stdin: bytes = b""
     ) -> RunResult:
         """Run `command` in a fresh workspace holding `files` (relative paths -> contents)."""
-        stage = Path(tempfile.mkdtemp(prefix="agentrl-sandbox-"))
         try:
-            _stage_files(stage, files or {})
+            stage = Path(tempfile.mkdtemp(prefix="agentrl-sandbox-"))
+        except OSError as exc:
+            raise SandboxLaunchFailed(f"the sandbox could not make its workspace: {exc}") from exc
+        try:
+            try:
+                _stage_files(stage, files or {})
+            except OSError as exc:
+                raise SandboxLaunchFailed(f"the sandbox could not stage its files: {exc}") from exc
             uid = sandbox_uid()
             if self._bwrap is None:
                 if os.geteuid() == 0:
@@ -179,7 +194,7 @@ class Sandbox:
             stdin_file.write(stdin)
             stdin_file.seek(0)
             start = time.monotonic()
-            proc = subprocess.Popen(
+            proc = _popen(
                 [*(wrapper or []), *argv],
                 stdin=stdin_file,
                 stdout=subprocess.PIPE,
@@ -260,6 +275,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def _popen(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    """subprocess.Popen, with a failure to start (fork or exec) as `SandboxLaunchFailed`."""
+    try:
+        return subprocess.Popen(argv, **kwargs)
+    except OSError as exc:
+        raise SandboxLaunchFailed(f"the sandbox could not start {argv[0]}: {exc}") from exc
 
 
 def _stage_files(stage: Path, files: dict[str, str | bytes]) -> None:

@@ -162,3 +162,21 @@ def test_file_edit_paths_stay_inside_the_repository(path):
     env = file_task()
     obs, *_ = write(env, path, "x")
     assert obs[0]["content"].startswith("Error: invalid path")
+
+
+def test_a_sandbox_that_cannot_start_is_an_env_error_not_an_observation(monkeypatch):
+    """The machine out of processes (fork's EAGAIN) is not the model's doing: the tool call
+    raises SandboxLaunchFailed (an EnvBroken) through env.step, so the rollout ends the episode
+    as an env error instead of training on "OSError: Resource temporarily unavailable"."""
+    import errno
+
+    from envs.sandbox import SandboxLaunchFailed
+
+    def no_fork(*args, **kwargs):
+        raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    env, _ = python_task()
+    monkeypatch.setattr("envs.sandbox.runner.subprocess.Popen", no_fork)
+    call = assistant("", [tool_call("run_python", {"code": "print(1)"})])
+    with pytest.raises(SandboxLaunchFailed, match=r"could not start .*Resource temporarily"):
+        env.step(call)
