@@ -137,7 +137,8 @@ class TrainerConfig(Section):
     """Learner ranks (Ray actors in one placement group, one torch.distributed group; FSDP2)."""
     expert_parallel: int = 1
     """Ranks that split each MoE layer's routed experts (must divide world_size /
-    context_parallel)."""
+    context_parallel and the policy's num_experts; agentrl_k3 policies only: checked before
+    anything starts)."""
     context_parallel: int = 1
     """Ranks that split each trajectory along its tokens (K3 policies; must divide world_size):
     the ranks work at the same time, each running its shard layer by layer from the KDA states,

@@ -69,16 +69,54 @@ def check_policy(cfg: RunConfig) -> None:
                 f"{p.path!r} has no {' and no '.join(missing)}: name a saved model directory "
                 f"(a run's final-model, sft-model or policy-init, or a transformers model){hint}",
             )
+        _check_experts(cfg, _saved_experts(where / "config.json"))
         return
     from policy.model_config import model_config
 
     try:
-        model_config(p.model_type, p.config, vocab_size=p.vocab_size)
+        config = model_config(p.model_type, p.config, vocab_size=p.vocab_size)
     except ValueError as exc:
         text = str(exc)
         key = "policy.model_type" if "model type" in text else "policy.config"
         key += ".preset" * ("preset" in text)
         raise ConfigError(key, text) from None
+    _check_experts(cfg, getattr(config, "num_experts", None) if p.model_type == K3 else None)
+
+
+K3 = "agentrl_k3"
+
+
+def _saved_experts(path: Path) -> int | None:
+    """A saved K3 policy's routed experts (None for another model or an unreadable file)."""
+    import json
+
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    experts = saved.get("num_experts") if isinstance(saved, dict) else None
+    is_k3 = isinstance(saved, dict) and saved.get("model_type") == K3
+    return experts if is_k3 and isinstance(experts, int) else None
+
+
+def _check_experts(cfg: RunConfig, experts: int | None) -> None:
+    """trainer.expert_parallel > 1 needs routed experts that split evenly over its ranks (the
+    learner would otherwise fail at its start, or, for a dense policy, split nothing)."""
+    ep = cfg.trainer.expert_parallel
+    if ep == 1:
+        return
+    if experts is None:
+        raise ConfigError(
+            "trainer.expert_parallel",
+            f"{ep} ranks would split the routed experts of each MoE layer, but the policy has "
+            f"none (only {K3} policies have routed experts here): set it to 1",
+        )
+    if experts % ep:
+        raise ConfigError(
+            "trainer.expert_parallel",
+            f"the policy's {experts} routed experts do not split evenly over {ep} ranks: use a "
+            f"divisor of {experts}",
+        )
 
 
 def _check_one_env(env: Any, prefix: str, stages: list[tuple[str, dict]]) -> None:

@@ -76,6 +76,10 @@ def test_bad_values_name_the_key(override, key, fragment):
         (["policy.model_type=qwen3", "policy.config={hiden_size: 64}"], "policy.config",
          "'hiden_size' is not a field of qwen3's config; did you mean 'hidden_size'"),
         (["policy.path=."], "policy.path", "has no config.json"),
+        (["trainer.world_size=2", "trainer.expert_parallel=2", "policy.model_type=qwen3",
+          "policy.config={}"], "trainer.expert_parallel", "the policy has none"),
+        (["trainer.world_size=5", "trainer.expert_parallel=5"], "trainer.expert_parallel",
+         "48 routed experts do not split evenly over 5 ranks"),
     ],
 )  # fmt: skip
 def test_a_policy_that_cannot_be_built_fails_at_check_time(overrides, key, fragment):
@@ -100,6 +104,35 @@ def test_a_run_directory_as_policy_path_points_at_its_final_model(tmp_path):
     for name in ("config.json", "tokenizer_config.json"):
         (tmp_path / name).write_text("{}")
     check_policy(load_config(ROOT / "configs/quickstart.yaml", [f"policy.path={tmp_path}"]))
+
+
+def test_expert_parallel_over_a_saved_policy_is_checked_against_its_experts(tmp_path):
+    """A saved K3 policy with 8 experts splits over 2 or 4 ranks, not 3; a saved dense one over
+    none (before, the learner failed at its start, or split nothing without a word)."""
+    from rl.run.env_checks import check_policy
+
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    saved = {"model_type": "agentrl_k3", "num_experts": 8}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    path = f"policy.path={tmp_path}"
+    for ep in (2, 4):
+        check_policy(
+            load_config(
+                ROOT / "configs/quickstart.yaml",
+                [path, f"trainer.world_size={ep}", f"trainer.expert_parallel={ep}"],
+            )
+        )
+    three = [path, "trainer.world_size=3", "trainer.expert_parallel=3"]
+    with pytest.raises(ConfigError, match="8 routed experts do not split evenly over 3 ranks"):
+        check_policy(load_config(ROOT / "configs/quickstart.yaml", three))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(ConfigError, match="the policy has none"):
+        check_policy(
+            load_config(
+                ROOT / "configs/quickstart.yaml",
+                [*three[:1], "trainer.world_size=2", "trainer.expert_parallel=2"],
+            )
+        )
 
 
 @pytest.mark.parametrize(
