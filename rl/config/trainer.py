@@ -34,9 +34,11 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     clip_low: Annotated[float, Field(gt=0, lt=1)] | None = None
-    """Lower clip of the importance ratio (null: the algorithm's default, 0.2; gspo 3e-4)."""
+    """Lower clip of the importance ratio (null: the algorithm's default, 0.2; gspo 3e-4; cispo
+    has none)."""
     clip_high: Annotated[float, Field(gt=0)] | None = None
-    """Upper clip (null: 0.2; dapo 0.28; gspo 4e-4); for cispo the ratio cap (default 5.0)."""
+    """Upper clip (null: 0.2; dapo 0.28; gspo 4e-4); for cispo the ratio cap itself (default
+    5.0; must be > 1)."""
     loss_aggregation: Aggregation | None = None
     """null: the algorithm's default (grpo/gspo seq-mean-token-mean, dr_grpo
     seq-mean-token-sum-norm, dapo/cispo/ppo token-mean)."""
@@ -230,6 +232,23 @@ class TrainerConfig(Section):
                 "mini_batch_size",
                 f"must divide batch_size ({self.batch_size}) (trajectories per optimizer step; "
                 f"null: the whole batch); got {mini}",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _cispo_clips(self) -> TrainerConfig:
+        if self.algorithm != "cispo":
+            return self
+        if self.clip_high is not None and self.clip_high <= 1:
+            raise ConfigError(
+                "clip_high",
+                f"for cispo it is the importance-weight cap itself (TRL's epsilon_high for "
+                f"cispo; default 5.0), not an epsilon added to 1: a cap of {self.clip_high:g} "
+                f"scales down every token's gradient. Use a value > 1 (e.g. 5.0), or null",
+            )
+        if self.clip_low is not None:
+            raise ConfigError(
+                "clip_low", "cispo has no lower clip (only the cap, clip_high): drop clip_low"
             )
         return self
 

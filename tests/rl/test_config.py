@@ -65,6 +65,18 @@ def test_bad_values_name_the_key(override, key, fragment):
     assert fragment in str(err)
 
 
+def test_cispo_clips_are_its_cap_or_nothing():
+    """cispo's clip_high is the weight cap itself (5.0 by default): 0.28, the dapo habit,
+    would scale every token's gradient down to at most 0.28 without a word; clip_low is unused."""
+    err = error_for("trainer.algorithm=cispo", "trainer.clip_high=0.28")
+    assert err.key == "trainer.clip_high" and "importance-weight cap itself" in str(err)
+    err = error_for("trainer.algorithm=cispo", "trainer.clip_low=0.2")
+    assert err.key == "trainer.clip_low" and "no lower clip" in str(err)
+    cfg = load_config(None, ["trainer.algorithm=cispo", "trainer.clip_high=3"])
+    assert cfg.trainer.clip_high == 3
+    assert error_for("rollout.max_grader_error_rate=0").key == "rollout.max_grader_error_rate"
+
+
 @pytest.mark.parametrize(
     ("overrides", "key", "fragment"),
     [
