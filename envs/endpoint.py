@@ -199,7 +199,7 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             said = self.headers.get("Content-Length") or "0"
-            length = int(said) if said.strip().isdigit() else -1
+            length = _byte_count(said)
             if length < 0:  # unreadable: never read to the end of a kept-alive connection
                 self.close_connection = True
                 self._send(400, _problem(f"Content-Length must be a byte count, got {said!r}"))
@@ -223,6 +223,14 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
     return Handler
+
+
+def _byte_count(said: str) -> int:
+    """A Content-Length value as an int; -1 when it is not a plain decimal count."""
+    text = said.strip()
+    if not (text.isascii() and text.isdecimal()) or len(text) > 18:
+        return -1
+    return int(text)
 
 
 def answer_get(endpoint: Endpoint, url: str) -> tuple[int, dict[str, Any]]:

@@ -20,6 +20,7 @@ details hold at least `expected` and `given`:
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import numbers
@@ -41,7 +42,7 @@ BUILTIN_GRADERS = ("exact", "numeric", "judge")
 ALLOWED = 'exact, numeric, judge or "package.module:function"'
 JUDGE_KEYS = ("url", "model", "api_key_env", "timeout_s", "retries", "prompt")
 RETRIED_HTTP = (429, 500, 502, 503, 504)  # a busy or restarting server: worth asking again
-MAX_RETRY_WAIT_S = 10.0  # the longest a judge's Retry-After is honoured
+MAX_RETRY_WAIT_S = 10.0  # the longest wait before a retry (a Retry-After is capped to it)
 JUDGE_PROMPT = (
     "Grade an answer to a question against the reference answer.\n\n"
     "Question:\n{question}\n\nReference answer:\n{reference}\n\nAnswer to grade:\n{answer}\n\n"
@@ -229,7 +230,7 @@ class JudgeGrader:
 
     @staticmethod
     def from_settings(settings: dict[str, Any] | None, **keys: str) -> JudgeGrader:
-        """From env.kwargs.judge: {url, model, api_key_env?, timeout_s?, prompt?}."""
+        """From env.kwargs.judge: {url, model, api_key_env?, timeout_s?, retries?, prompt?}."""
         where = "env.kwargs.judge"
         if not isinstance(settings, dict):
             raise ValueError(f"env.grader judge needs {where}: {{url: ..., model: ...}}")
@@ -298,7 +299,8 @@ class JudgeGrader:
                 if attempt == self.retries:
                     tries = f" ({attempt + 1} tries)" if attempt else ""
                     raise JudgeError(f"{exc}{tries}") from None
-                time.sleep(exc.wait if exc.wait is not None else self.backoff_s * 2**attempt)
+                backoff = min(self.backoff_s * 2**attempt, MAX_RETRY_WAIT_S)
+                time.sleep(exc.wait if exc.wait is not None else backoff)
         raise AssertionError("unreachable")
 
     def _post(self, request: urllib.request.Request) -> Any:
@@ -320,8 +322,8 @@ class JudgeGrader:
             raise _Retryable(f"cannot reach judge {self.endpoint}: {reason}") from None
         except ValueError as exc:  # a reply that is not JSON
             raise JudgeError(f"judge {self.endpoint}: bad reply ({exc})") from None
-        except OSError as exc:  # a dropped connection
-            raise _Retryable(f"judge {self.endpoint}: bad reply ({exc})") from None
+        except (OSError, http.client.HTTPException) as exc:  # a connection dropped mid-reply
+            raise _Retryable(f"judge {self.endpoint}: bad reply ({exc!r})") from None
 
     def _reply(self, payload: Any) -> str:
         try:

@@ -13,6 +13,7 @@ so every such run warns loudly, and `require_isolation=True` refuses to run at a
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import selectors
 import shutil
@@ -21,6 +22,7 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,8 +39,9 @@ class SandboxUnavailable(RuntimeError):
 
 
 class SandboxLaunchFailed(EnvBroken):
-    """The machine could not start a sandboxed run (fork or exec failed: EAGAIN, ENOMEM, EMFILE;
-    or its workspace could not be staged: ENOSPC). Not the model's doing, so not an observation
+    """The machine could not start a sandboxed run (fork or exec failed; or its workspace or
+    input could not be written for lack of processes, memory, descriptors or disk: EAGAIN,
+    ENOMEM, EMFILE, ENFILE, ENOSPC, EDQUOT). Not the model's doing, so not an observation
     to train on: as an `EnvBroken`, a tool's call raises it through `Toolbox.call` and the rollout
     ends the episode as an env error."""
 
@@ -160,15 +163,11 @@ class Sandbox:
         self, command: list[str], *, files: dict[str, str | bytes] | None = None, stdin: bytes = b""
     ) -> RunResult:
         """Run `command` in a fresh workspace holding `files` (relative paths -> contents)."""
-        try:
+        with _machine_errors("make its workspace"):
             stage = Path(tempfile.mkdtemp(prefix="agentrl-sandbox-"))
-        except OSError as exc:
-            raise SandboxLaunchFailed(f"the sandbox could not make its workspace: {exc}") from exc
         try:
-            try:
-                _stage_files(stage, files or {})
-            except OSError as exc:
-                raise SandboxLaunchFailed(f"the sandbox could not stage its files: {exc}") from exc
+            with _machine_errors("stage its files"):  # a path clash (the files' names may be
+                _stage_files(stage, files or {})  # the model's) stays an OSError: a tool error
             uid = sandbox_uid()
             if self._bwrap is None:
                 if os.geteuid() == 0:
@@ -190,7 +189,7 @@ class Sandbox:
         nproc = process_budget(limits, uid)
         wrapper = prlimit_argv(limits, nproc)
         drop = {"user": uid, "group": uid, "extra_groups": []} if os.geteuid() == 0 else {}
-        with tempfile.TemporaryFile() as stdin_file:
+        with _machine_errors("buffer its input or run"), tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin)
             stdin_file.seek(0)
             start = time.monotonic()
@@ -277,8 +276,27 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+MACHINE_ERRNOS = frozenset(
+    {errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT}
+)
+"""The OSErrors that say the machine is out of something (processes, memory, descriptors,
+disk), never what the run asked for."""
+
+
+@contextlib.contextmanager
+def _machine_errors(doing: str) -> Iterator[None]:
+    """An OSError of MACHINE_ERRNOS inside the block as `SandboxLaunchFailed`; others as raised."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in MACHINE_ERRNOS:
+            raise
+        raise SandboxLaunchFailed(f"the sandbox could not {doing}: {exc}") from exc
+
+
 def _popen(argv: list[str], **kwargs: Any) -> subprocess.Popen:
-    """subprocess.Popen, with a failure to start (fork or exec) as `SandboxLaunchFailed`."""
+    """subprocess.Popen, with a failure to start (fork or exec) as `SandboxLaunchFailed`: the
+    command is the sandbox's own (its Python or bwrap), so any OSError is the machine's."""
     try:
         return subprocess.Popen(argv, **kwargs)
     except OSError as exc:

@@ -94,9 +94,12 @@ def _saved_experts(path: Path) -> int | None:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    experts = saved.get("num_experts") if isinstance(saved, dict) else None
-    is_k3 = isinstance(saved, dict) and saved.get("model_type") == K3
-    return experts if is_k3 and isinstance(experts, int) else None
+    if not isinstance(saved, dict) or saved.get("model_type") != K3:
+        return None
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):  # K3Config's aliases
+        if isinstance(saved.get(key), int):
+            return saved[key]
+    return None
 
 
 def _check_experts(cfg: RunConfig, experts: int | None) -> None:

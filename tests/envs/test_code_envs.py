@@ -180,3 +180,26 @@ def test_a_sandbox_that_cannot_start_is_an_env_error_not_an_observation(monkeypa
     call = assistant("", [tool_call("run_python", {"code": "print(1)"})])
     with pytest.raises(SandboxLaunchFailed, match=r"could not start .*Resource temporarily"):
         env.step(call)
+
+
+def test_a_model_made_path_clash_stays_a_tool_error_and_a_full_disk_is_an_env_error(monkeypatch):
+    """FileEdit's paths are the model's: a file named like a directory of the repository fails
+    to stage (IsADirectoryError), which is the model's mistake, an observation; the machine out
+    of disk while staging (ENOSPC) is not."""
+    import errno
+
+    from envs.sandbox import SandboxLaunchFailed
+
+    env = file_task()
+    write = tool_call("write_file", {"path": "tests", "content": "x"})
+    env.step(assistant("", [write]))
+    obs, *_ = env.step(assistant("", [tool_call("run_tests", {})]))
+    assert "IsADirectoryError" in obs[-1]["content"], obs[-1]
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    env = file_task()
+    monkeypatch.setattr("envs.sandbox.runner._stage_files", full_disk)
+    with pytest.raises(SandboxLaunchFailed, match="could not stage its files"):
+        env.step(assistant("", [tool_call("run_tests", {})]))

@@ -192,6 +192,15 @@ class JudgeHandler(BaseHTTPRequestHandler):
         model = body["model"]
         if model == "broken":
             return self._send(500, {"error": {"message": "out of memory"}})
+        if model == "cut-1" and len(self.server.requests) == 1:  # the reply cut off midway
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b'{"choices": ')
+            self.close_connection = True
+            return None
+        if model == "cut-1":
+            model = "m"
         busy = model.startswith("busy-")  # busy-N: HTTP 429 (Retry-After: 0.2) to its first N asks
         if busy and len(self.server.requests) <= int(model.split("-")[1]):
             return self._send(429, {"error": {"message": "rate limited"}}, retry_after="0.2")
@@ -291,6 +300,13 @@ def test_a_busy_judge_is_asked_again_after_its_retry_after(judge_url):
     with pytest.raises(JudgeError, match=r"answered HTTP 429"):
         never("42", ROW)
     assert len(requests) == 1
+
+
+def test_a_reply_cut_off_midway_is_asked_again(judge_url):
+    """http.client's IncompleteRead is no OSError: before, it escaped unnamed and unretried."""
+    url, requests = judge_url
+    assert make_grader("judge", judge={"url": url, "model": "cut-1"})("42", ROW).success
+    assert len(requests) == 2
 
 
 def test_judge_errors_that_would_fail_again_are_not_retried(judge_url):
