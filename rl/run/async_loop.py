@@ -44,6 +44,7 @@ from rl.observe.metrics import rollout_metrics
 from rl.run.build import sampling
 from rl.run.failures import stops_on_skips
 from rl.run.fleet import Fleet
+from rl.run.interrupts import handled, raise_if_interrupted
 from rl.run.step import StepTail
 from rollout.books import trim_books
 from rollout.keys import RunKeys
@@ -131,6 +132,7 @@ def async_train(cfg, learner, workers, renderer, log, state, run_dir: Path, clie
             tail.finish(step, metrics)
         fleet.settle()  # the last version reaches every worker before the run ends
     except (Exception, KeyboardInterrupt):  # the run stops (RunAborted, a dead worker, Ctrl-C)
+        handled()  # stopping now: only a further Ctrl-C interrupts the stop
         if ahead is not None:  # started in this iteration (step + 1) or the last (step)
             _stop_ahead(client, keys, *ahead, tail)
         raise
@@ -172,6 +174,16 @@ STOP_WAIT_S = 600.0
 """How long a stopping run waits for a learner step it had started to stop or finish."""
 
 
+def _wait_interruptibly(ref, timeout_s: float) -> list:
+    """ray.wait([ref], timeout=timeout_s) in WAIT_SLICE_S slices; a Ctrl-C raises."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, _ = ray.wait([ref], timeout=max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic())))
+        if done or time.monotonic() >= deadline:
+            return done
+        raise_if_interrupted()
+
+
 def _stop_ahead(client, keys: RunKeys, step: int, ahead, tail: StepTail) -> None:
     """The run stops while learner step `step` runs: tell the learner (it reads no more and
     acks nothing, so the step's groups stay pending for a resume), then book the step if it
@@ -183,7 +195,7 @@ def _stop_ahead(client, keys: RunKeys, step: int, ahead, tail: StepTail) -> None
         done, _ = ray.wait([ahead], timeout=2.0)
         if not done:  # a step mid-training ends first (minutes at long context)
             logger.info(f"stopping: waiting for learner step {step} (Ctrl-C again: leave now)")
-            done, _ = ray.wait([ahead], timeout=STOP_WAIT_S)
+            done = _wait_interruptibly(ahead, STOP_WAIT_S)
         if not done:
             logger.warning(f"learner step {step} did not stop within {STOP_WAIT_S:g} s")
             return
@@ -212,12 +224,20 @@ def _learner_step(learner, serving: list, limit: int, ahead=None) -> tuple[dict,
     """learner.step() with its ledger entry and trajectory records (`ahead`: the step already
     started), watching the workers meanwhile: a serve loop that dies with an error (not a crash
     Ray restarts) fails the run now instead of the learner timing out later."""
+    raise_if_interrupted()  # a Ctrl-C some library call swallowed (rl/run/interrupts.py)
     ref = ahead if ahead is not None else learner.step_with_records.remote(limit)
     while True:
-        ready, _ = ray.wait([ref, *serving], num_returns=1)
+        ready, _ = ray.wait([ref, *serving], num_returns=1, timeout=WAIT_SLICE_S)
         if ref in ready:
             return ray.get(ref)
-        _check_serving(serving)
+        raise_if_interrupted()
+        if ready:
+            _check_serving(serving)
+
+
+WAIT_SLICE_S = 1.0
+"""The driver's waits on Ray are cut into slices this long, checking between them for a Ctrl-C
+that a library call swallowed (rl/run/interrupts.py)."""
 
 
 COUNTERS = {

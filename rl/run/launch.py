@@ -47,6 +47,7 @@ from redis.retry import Retry
 
 from rl.config.cluster import is_loopback, url_host
 from rl.config.runfile import ConfigError, RayConfig, RedisConfig, RunConfig
+from rl.run.interrupts import InterruptLatch
 from rl.run.runtime_env import data_files, runtime_env_for
 from rl.run.shared_dir import check_files_everywhere
 
@@ -376,7 +377,9 @@ def services(cfg: RunConfig, run_dir: Path) -> Iterator[Services]:
     server: RedisServer | None = None
     watchdog: RedisWatchdog | None = None
     cluster = cfg.ray.address != "local"
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupts = InterruptLatch()  # a Ctrl-C a library swallows is still acted on
+    previous = signal.signal(signal.SIGTERM, interrupts)
+    previous_int = signal.signal(signal.SIGINT, interrupts)
     try:
         if cluster and cfg.redis.url is not None:
             check_external_redis(cfg.redis.url)
@@ -388,7 +391,8 @@ def services(cfg: RunConfig, run_dir: Path) -> Iterator[Services]:
             logger.info(shipped.summary())
         start_ray(cfg.ray, shipped.spec)
         # after ray.init: Ray installs a C++ SIGTERM handler that aborts without cleanup
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+        signal.signal(signal.SIGTERM, interrupts)
+        signal.signal(signal.SIGINT, interrupts)
         if cluster:  # task files are read on every node: fail now if one lacks them
             check_files_everywhere(data_files(cfg))
         if cfg.redis.url is None and cluster:
@@ -412,7 +416,7 @@ def services(cfg: RunConfig, run_dir: Path) -> Iterator[Services]:
             if server is not None:
                 server.stop()
         finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, previous_int)
             signal.signal(signal.SIGTERM, previous)
 
 
@@ -428,7 +432,3 @@ def start_embedded_redis(cfg: RunConfig, run_dir: Path) -> RedisServer:
             run_dir / "redis" / "redis.conf",
         )
     return server
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")

@@ -13,6 +13,7 @@ from rl.observe.metrics import MetricsLogger, rollout_metrics
 from rl.run.build import sampling
 from rl.run.curriculum import describe, gate_due, stage_end, stage_ends, stage_index, staged
 from rl.run.evals import gate_success, set_stage
+from rl.run.interrupts import raise_if_interrupted
 from rl.run.runstate import RunState, worker_seed
 from rl.run.step import StepTail
 from rollout.worker import Task
@@ -28,6 +29,7 @@ def sync_train(
     )
     tail = StepTail(cfg, run_dir, learner, workers, renderer, log, state, bar)
     while state.step < t.steps:
+        raise_if_interrupted()  # a Ctrl-C some library call swallowed (rl/run/interrupts.py)
         step, start = state.step + 1, time.perf_counter()
         if stage_index(cfg, step) != stage:  # a curriculum stage begins (or resumes)
             stage = stage_index(cfg, step)
