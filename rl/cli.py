@@ -85,7 +85,7 @@ def cmd_train(args) -> int:
 
     resume = None
     if args.resume:
-        run_dir = Path(args.resume)
+        run_dir = Path(args.resume).resolve()  # `--resume .`: the run id is the dir's name
         skip = set(args.resume_skip or [])
         resume = Resume(rng="rng" not in skip, stream="stream" not in skip)
     else:
@@ -114,7 +114,19 @@ def cmd_train(args) -> int:
         print(f"agentrl: {message}", file=sys.stderr)
         return 1
     say(f"done: {run_dir}")
-    return 0 if summary.get("rl_beats_base_beyond_intervals", True) or not args.strict else 3
+    return strict_exit(summary) if args.strict else 0
+
+
+def strict_exit(summary: dict) -> int:
+    """`train --strict`: 0 when RL beat the warm start beyond the 95% intervals, else 3 (also
+    when nothing was compared: eval.tasks 0, or no sampled evaluation before and after)."""
+    if "rl_beats_base_beyond_intervals" not in summary:
+        print(
+            "agentrl: --strict: no sampled evaluation before and after RL to compare",
+            file=sys.stderr,
+        )
+        return 3
+    return 0 if summary["rl_beats_base_beyond_intervals"] else 3
 
 
 def cmd_check(args) -> int:

@@ -150,11 +150,45 @@ def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
+def read_jsonl(path: Path) -> list[Any]:
+    """The records of a JSON-lines file ([] when it is missing). A last line that a crash (a full
+    disk, a SIGKILL) left half-written is left out; any other line that is not JSON raises
+    ValueError naming the file and the line."""
+    return [record for _, record in _jsonl_lines(path)]
+
+
+def _jsonl_lines(path: Path) -> list[tuple[str, Any]]:
+    """(line, record) for each record line of `path` ([] when missing); see read_jsonl."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):  # torn by the crash that stopped the run
+                break
+            raise ValueError(f"{path} line {number} is not a JSON record ({exc.msg})") from None
+        out.append((line, record))  # (callers check what a record must hold)
+    return out
+
+
 def truncate_jsonl(path: Path, step: int) -> int:
-    """Keep the lines of a JSON-lines file whose "step" is <= `step`; returns how many went."""
+    """Keep the records of a JSON-lines file whose "step" is <= `step` (a torn last line goes
+    too); returns how many went. Rewritten through a temporary file, so a crash meanwhile
+    leaves the old file whole; CheckpointError for a file that cannot be read."""
     if not path.exists():
         return 0
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    keep = [line for line in lines if json.loads(line)["step"] <= step]
-    path.write_text("".join(f"{line}\n" for line in keep))
-    return len(lines) - len(keep)
+    try:
+        lines = _jsonl_lines(path)
+        keep = [line for line, record in lines if record["step"] <= step]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"cannot cut {path} back to step {step}: {exc!r}") from None
+    written = sum(1 for line in path.read_text(errors="replace").splitlines() if line.strip())
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in keep))
+    os.replace(tmp, path)
+    return written - len(keep)

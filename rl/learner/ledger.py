@@ -78,7 +78,7 @@ def truncate(run_dir: Path, step: int) -> int:
 
 
 def read(run_dir: Path) -> list[dict]:
-    path = run_dir / "ledger.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The ledger's lines ([] without a file; a torn last line left out)."""
+    from rl.learner.checkpoint import read_jsonl
+
+    return read_jsonl(Path(run_dir) / "ledger.jsonl")

@@ -12,7 +12,6 @@ otherwise.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,7 +163,7 @@ def run(args, console: Console | None = None) -> int:
     run_dir = Path(args.run_dir)
     try:
         records = read(run_dir)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:
         raise ShowError(f"cannot read {run_dir / FILE}: {exc}") from None
     if not records and not (run_dir / FILE).exists() and not (run_dir / "config.yaml").exists():
         raise ShowError(

@@ -125,7 +125,8 @@ def truncate(run_dir: Path, step: int) -> int:
 
 
 def read(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records ([] without a file); a torn last line is left out, any other bad line raises
+    ValueError naming it (rl/learner/checkpoint.py read_jsonl)."""
+    from rl.learner.checkpoint import read_jsonl
+
+    return read_jsonl(Path(run_dir) / FILE)

@@ -64,7 +64,11 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
             return ckpt.latest(root)
         return _verified(root, steps[-1] if step is None else step)
     except ckpt.CheckpointError as exc:
-        raise ConfigError("STEP", f"{exc}; name another step: {listed}") from None
+        raise ConfigError(
+            "STEP",
+            f"{exc}; name another step: {listed} (`agentrl export RUN_DIR STEP` writes that "
+            f"step's model; `agentrl eval` and `agentrl serve` take the directory it writes)",
+        ) from None
 
 
 def _verified(root: Path, step: int) -> Path:

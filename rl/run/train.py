@@ -219,14 +219,16 @@ def report(evals: dict[str, dict[str, EvalResult]], base: str, algo: str, run_di
         for mode, result in results.items():
             lines.append(f"  after {label.upper():<7} {mode:<28} {result}")
     summary = {label: {m: r.to_dict() for m, r in res.items()} for label, res in evals.items()}
-    sampled = [m for m in evals.get(algo, {}) if m.startswith("sampled")]
-    if sampled and evals.get(base):
-        before, after = evals[base][sampled[0]], evals[algo][sampled[0]]
+    mode_after = next((m for m in evals.get(algo, {}) if m.startswith("sampled")), None)
+    mode_before = next((m for m in evals.get(base, {}) if m.startswith("sampled")), None)
+    if mode_after and mode_before:  # a resume may have changed eval.samples or the temperature
+        before, after = evals[base][mode_before], evals[algo][mode_after]
         separated = after.ci_low > before.ci_high
         verdict = "beyond the intervals" if separated else "NOT beyond the intervals"
+        differ = f" (settings differ: {mode_before} before)" if mode_before != mode_after else ""
         lines.append(
             f"{algo.upper()} vs {base.upper()} (sampled): "
-            f"{100 * (after.success - before.success):+.1f} points, {verdict}"
+            f"{100 * (after.success - before.success):+.1f} points, {verdict}{differ}"
         )
         summary["rl_beats_base_beyond_intervals"] = separated
     logger.info("\n".join(lines))
