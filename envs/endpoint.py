@@ -67,6 +67,11 @@ class Request:
         self._finish(200, body)
         return body
 
+    def repeat(self, body: dict[str, Any]) -> None:
+        """Answer with a `chat.completion` sent before (to the request this one repeats: the same
+        tool call ids)."""
+        self._finish(200, body)
+
     def fail(self, status: int, text: str) -> None:
         self._finish(status, {"error": {"message": text, "type": "agentrl_error"}})
 
@@ -210,9 +215,13 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                 return
             raw = self.rfile.read(length)
             try:
-                self._send(*answer_post(endpoint, self.path, raw))
+                answer = answer_post(endpoint, self.path, raw)
             except Exception as exc:  # a bug of ours: the client gets an answer, not a hang-up
-                self._send(500, _problem(f"internal error: {type(exc).__name__}: {exc}"))
+                answer = 500, _problem(f"internal error: {type(exc).__name__}: {exc}")
+            try:
+                self._send(*answer)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (its own
+                self.close_connection = True  # timeout; it may send the request again)
 
         def _send(self, status: int, body: dict[str, Any]) -> None:
             data = json.dumps(body).encode()

@@ -117,7 +117,11 @@ def references(row: dict[str, Any], answer_key: str) -> list[Any]:
 
 
 def normalise(text: Any) -> str:
-    """strip, collapse whitespace, casefold, drop trailing periods: what "exact" compares."""
+    """strip, collapse whitespace, casefold, drop trailing periods: what "exact" compares. A
+    float reference with an integer value reads as the integer (a Parquet or pandas column of
+    ints with a missing value holds 42.0 for 42)."""
+    if isinstance(text, float) and text.is_integer():
+        text = int(text)
     return re.sub(r"\s+", " ", str(text)).strip().casefold().rstrip(".").rstrip()
 
 

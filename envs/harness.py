@@ -38,8 +38,10 @@ process): `set_state` refuses, so a task retried after a worker crash restarts i
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
+import numbers
 import queue
 import threading
 import time
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import gymnasium
+import numpy as np
 
 from envs.endpoint import Endpoint, Request
 from envs.graders import checked_grader
@@ -129,7 +132,8 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
         index = seed if seed is not None else int(self.np_random.integers(HELDOUT_SEEDS))
         self._row = self.taskset.row_for(index)
         self._token, self._turn, self._last_answer = uuid.uuid4().hex[:16], 0, ""
-        task = {k: v for k, v in self._row.items() if k != self.answer_key} | {"seed": index}
+        task = copy.deepcopy({k: v for k, v in self._row.items() if k != self.answer_key})
+        task["seed"] = index  # a copy: a harness that edits its task never edits the task file's
         base_url = self.endpoint.open(self._token)
         threading.Thread(
             target=_run_harness,
@@ -162,6 +166,9 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
         names = {c["id"]: c["function"]["name"] for c in _calls(sent)}
         self._pending = None
         event = self._next_event(self.step_timeout_s)
+        while isinstance(event, Request) and self._resent(event):  # the client's own retry
+            event.repeat(sent)  # the same reply: the policy's turn is already sampled
+            event = self._next_event(self.step_timeout_s)
         if isinstance(event, Finished):
             return self._finish(event, len(calls))
         observation = self._observation(event, names)
@@ -205,9 +212,9 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
         return [], reward, True, False, info
 
     def _outcome(self, result: Any) -> tuple[Outcome, float]:
-        if isinstance(result, bool):
-            return Outcome(success=result, details={"harness": result}), float(result)
-        if isinstance(result, int | float):
+        if isinstance(result, bool | np.bool_):
+            return Outcome(success=bool(result), details={"harness": bool(result)}), float(result)
+        if isinstance(result, numbers.Real):  # numpy's float32, int64 ... too
             value = float(result)
             success = value >= self.success_threshold
             return Outcome(success=success, details={"harness_reward": value}), value
@@ -236,6 +243,14 @@ class HarnessEnv(gymnasium.Env[list[Message], Message]):
             )
         self._sent = messages
         return [_observed(m, names) for m in messages[seen + 1 :]]
+
+    def _resent(self, request: Request) -> bool:
+        """`request` repeats the one just answered (an OpenAI client whose timeout passed while
+        the policy sampled sends the same messages again: `max_retries`)."""
+        messages = request.messages
+        return len(messages) == len(self._sent) and all(
+            _same(a, b) for a, b in zip(self._sent, messages, strict=True)
+        )
 
     def _next_event(self, timeout_s: float) -> Request | Finished:
         """The next request or the harness's return for this episode (stale ones are refused)."""

@@ -17,6 +17,7 @@ around; seeds from DEMO_SEEDS on (SFT demonstrations') draw training rows again.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 from dataclasses import dataclass
@@ -117,8 +118,17 @@ def read_rows(path: str | Path) -> list[tuple[str, Any]]:
 
 def _read_jsonl(path: Path) -> list[tuple[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            if number == 1:  # a byte-order mark (Windows editors, PowerShell 5) is not JSON
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path} line {number}: not UTF-8 text ({exc.reason} at byte {exc.start} of "
+                    f"the line); save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -156,6 +166,9 @@ def check_row(source: str, where: str, row: Any, keys: tuple[str, str]) -> None:
     answer = row[answer_key]
     if isinstance(answer, list) and not answer:
         raise ValueError(f"{source} {where}: {answer_key!r} is an empty list")
+    for ref in answer if isinstance(answer, list) else [answer]:
+        if isinstance(ref, str) and not ref.strip(" \t\n."):  # exact: an empty reply would pass
+            raise ValueError(f"{source} {where}: {answer_key!r} is blank ({ref!r})")
     split = row.get("split")
     if split is not None and split not in TRAIN_SPLITS | HELDOUT_SPLITS:
         raise ValueError(

@@ -70,6 +70,8 @@ def test_custom_keys(tmp_path):
         (["[1, 2]"], "t.jsonl line 1: a task must be a JSON object, got list"),
         ([{"prompt": 3, "answer": 1}], "line 1: 'prompt' must be a non-empty string"),
         ([{"prompt": "a", "answer": []}], "line 1: 'answer' is an empty list"),
+        ([{"prompt": "a", "answer": " "}], "line 1: 'answer' is blank"),  # "" would pass exact
+        ([{"prompt": "a", "answer": ["b", ""]}], "line 1: 'answer' is blank"),
         ([{"prompt": "a", "answer": 1, "split": "dev"}], "split must be train, heldout, test"),
         ([""], "t.jsonl: no tasks in the file"),
         ([{"prompt": "a", "answer": 1, "split": "test"}], "every row is held out"),
@@ -80,6 +82,18 @@ def test_bad_rows_name_the_file_the_line_and_the_key(tmp_path, lines, message):
     with pytest.raises(ValueError) as caught:
         TaskSet.load(path)
     assert message in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_a_byte_order_mark_is_read_and_other_encodings_named(tmp_path):
+    """A BOM (Windows editors) was "line 1: not valid JSON"; latin-1 bytes a bare
+    UnicodeDecodeError naming neither the file nor the line."""
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a", "answer": "1"}\n')
+    loaded = TaskSet.load(path)
+    assert (loaded.train + loaded.heldout)[0]["prompt"] == "a"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"t\.jsonl line 2: not UTF-8 text"):
+        TaskSet.load(path)
 
 
 def test_bad_parquet_rows_name_the_row(tmp_path):

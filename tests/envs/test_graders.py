@@ -90,6 +90,14 @@ def test_numeric_refuses_a_reference_without_a_number():
         grader.check_rows(({"prompt": "?", "answer": "many"},), "tasks.jsonl")
 
 
+def test_exact_reads_an_integer_valued_float_reference_as_the_integer():
+    """pandas stores an int column with a missing value as floats: 42 became 42.0, and "42"
+    never matched."""
+    grader = make_grader("exact")
+    assert grader("42", {"prompt": "q", "answer": 42.0}).success
+    assert not grader("42", {"prompt": "q", "answer": 42.5}).success
+
+
 def test_custom_answer_key():
     grader = make_grader("numeric", answer_key="solution")
     assert grader("42", {"q": "?", "solution": "42"}).success

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,6 +56,38 @@ def failing_agent(base_url: str, task: dict) -> str:
     client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     raise RuntimeError("agent bug")
+
+
+def numpy_reward_agent(base_url: str, task: dict):
+    """Edits its task (a nested list) and returns a numpy float, as a harness computing its
+    reward with numpy does."""
+    import numpy as np
+
+    task["tags"].append("seen")
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    return np.float32(0.75) if reply.choices[0].message.content == "good" else np.float32(0)
+
+
+def retrying_agent(base_url: str, task: dict) -> float:
+    """What an OpenAI client with a short timeout does: its first request gives up after 0.3 s
+    and the same request is sent again. Reward 1 when that retry got the policy's reply."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
+    url, gave_up = f"{base_url}/chat/completions", 0
+    for timeout in (0.3, 60):
+        request = urllib.request.Request(
+            url, data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                content = json.loads(response.read())["choices"][0]["message"]["content"]
+                return 1.0 if content == "good" and gave_up == 1 else 0.5
+        except (TimeoutError, urllib.error.URLError):
+            gave_up += 1
+    return 0.0
 
 
 def reward_agent(base_url: str, task: dict) -> float:
@@ -188,6 +221,32 @@ def test_a_harness_may_return_its_own_reward(tasks):
     env.reset(seed=0)
     _, reward, terminated, _, info = env.step(assistant("good"))
     assert terminated and reward == 0.75 and info["outcome"]["success"]
+    env.close()
+
+
+def test_a_numpy_reward_counts_and_a_harness_editing_its_task_edits_a_copy(tmp_path):
+    """Before: np.float32 was refused ("return ... a reward (float)"), and the task a harness got
+    shared its lists with the stored row, so an edit reached every later episode."""
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "answer": "1", "tags": []}) + "\n")
+    env = make(str(path), harness="tests.envs.test_harness:numpy_reward_agent")
+    for _ in range(2):
+        env.reset(seed=0)
+        _, reward, terminated, _, info = env.step(assistant("good"))
+        assert terminated and reward == 0.75 and info["outcome"]["success"]
+    assert env.unwrapped.row["tags"] == []
+    env.close()
+
+
+def test_a_request_the_client_sent_again_gets_the_same_reply(tasks):
+    """The policy takes longer than the agent's client waits: the client sends the same request
+    again. Before, the repeat was "does not extend its earlier messages": an env error on every
+    slow turn. Now it gets the reply already sampled, and the episode goes on."""
+    env = make(tasks, harness="tests.envs.test_harness:retrying_agent")
+    env.reset(seed=0)
+    time.sleep(1.0)  # the policy samples; the first request has given up meanwhile
+    _, reward, terminated, _, info = env.step(assistant("good"))
+    assert terminated and reward == 1.0, info  # 0.5: the first request was answered itself
     env.close()
 
 
