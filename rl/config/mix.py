@@ -154,6 +154,7 @@ def check_mix_expert(cfg: Any, entry: Any, key: str) -> None:
         raise ConfigError(
             key,
             f"{entry.id} has no scripted expert, and SFT (and a fresh policy's tokenizer) learns "
-            "from the expert demonstrations of every env of the mix; give its env class an "
-            "`expert` (docs/environments.md), or set sft.enabled: false and policy.path",
+            "from the expert demonstrations of every env of the run; give its env class an "
+            "`expert` (docs/environments.md; a harness env takes env.kwargs.expert), or set "
+            "sft.enabled: false and policy.path",
         )

@@ -161,6 +161,10 @@ class RewardConfig(Section):
         return {name: weight for name, weight in terms.items() if weight != 0}
 
 
+MIN_FRESH_VOCAB = 263
+"""256 byte tokens + the 7 special tokens of policy/tokenizer.py (tests check the two agree)."""
+
+
 class PolicyConfig(Section):
     """The policy: a saved model, or a fresh one built offline."""
 
@@ -171,7 +175,8 @@ class PolicyConfig(Section):
     config: dict[str, Any] = Field(default_factory=dict)
     """Model config fields (hidden_size, num_hidden_layers, ...) for a fresh model."""
     vocab_size: int = Field(768, gt=0)
-    """Vocabulary of the tokenizer built offline for a fresh model."""
+    """Vocabulary of the tokenizer built offline for a fresh model (at least 263: the 256 bytes
+    and 7 special tokens)."""
     tokenizer_demonstrations: int = Field(400, gt=0)
     """Expert episodes rendered as the tokenizer's training text (fresh models only)."""
     copy_warmup_steps: int = Field(0, ge=0)
@@ -182,6 +187,17 @@ class PolicyConfig(Section):
     until a batch is copied at 90% (0: no warm-up). k3-tiny: 90% on the last rung at step
     ~2,300, ~21 min on 2 cores (docs/benchmarks.md "Copying from anywhere"); 3,000 leaves
     room."""
+
+    @model_validator(mode="after")
+    def _fresh_vocab(self) -> PolicyConfig:
+        if self.path is None and self.vocab_size < MIN_FRESH_VOCAB:
+            raise ConfigError(
+                "vocab_size",
+                f"a fresh policy's tokenizer holds the 256 bytes and {MIN_FRESH_VOCAB - 256} "
+                f"special tokens before any merge: use at least {MIN_FRESH_VOCAB}; got "
+                f"{self.vocab_size}",
+            )
+        return self
 
     @model_validator(mode="after")
     def _k3_preset(self) -> PolicyConfig:

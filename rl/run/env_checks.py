@@ -48,6 +48,7 @@ def check_env(cfg: RunConfig) -> None:
             (f"sft.kwargs_mix.{i}.kwargs", v.kwargs) for i, v in enumerate(cfg.sft.kwargs_mix)
         ]
         _check_one_env(cfg.env, "env.", [("env.kwargs", {}), *stages])
+        check_mix_expert(cfg, cfg.env, "env.id")  # a harness env without kwargs.expert
     check_policy(cfg)
 
 
@@ -69,13 +70,21 @@ def check_policy(cfg: RunConfig) -> None:
                 f"{p.path!r} has no {' and no '.join(missing)}: name a saved model directory "
                 f"(a run's final-model, sft-model or policy-init, or a transformers model){hint}",
             )
-        _check_experts(cfg, _saved_experts(where / "config.json"))
+        saved = _saved_config(where / "config.json")
+        _check_saved_kind(cfg, saved.get("model_type"))
+        _check_experts(cfg, _experts_of(saved))
         return
     from policy.model_config import model_config
 
+    if "vocab_size" in p.config:  # model_config sets it from policy.vocab_size
+        raise ConfigError(
+            "policy.config.vocab_size",
+            f"set policy.vocab_size instead (the tokenizer is built to it): policy.vocab_size="
+            f"{p.config['vocab_size']}",
+        )
     try:
         config = model_config(p.model_type, p.config, vocab_size=p.vocab_size)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # TypeError: a field of the wrong type
         text = str(exc)
         key = "policy.model_type" if "model type" in text else "policy.config"
         key += ".preset" * ("preset" in text)
@@ -86,15 +95,39 @@ def check_policy(cfg: RunConfig) -> None:
 K3 = "agentrl_k3"
 
 
-def _saved_experts(path: Path) -> int | None:
-    """A saved K3 policy's routed experts (None for another model or an unreadable file)."""
+def _saved_config(path: Path) -> dict:
+    """A saved model's config.json ({} when unreadable: loading it will say why)."""
     import json
 
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
-    if not isinstance(saved, dict) or saved.get("model_type") != K3:
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def _check_saved_kind(cfg: RunConfig, kind: Any) -> None:
+    """What needs the K3 policy, refused for a saved model of another type (the run file's
+    own validators check only a fresh policy's policy.model_type)."""
+    if kind in (K3, None):
+        return
+    t = cfg.trainer
+    for key, on, why in (
+        ("segment_tokens", t.segment_tokens > 0, "segmented training carries K3's KDA state"),
+        ("context_parallel", t.context_parallel > 1, "context parallelism relays K3's state"),
+        ("exact_logprobs", t.exact_logprobs, "exact mode decodes with the K3 engine"),
+    ):
+        if on:
+            raise ConfigError(
+                f"trainer.{key}",
+                f"{why}, and policy.path is a {kind} model: use a saved {K3} policy, or turn "
+                f"trainer.{key} off",
+            )
+
+
+def _experts_of(saved: dict) -> int | None:
+    """A saved K3 policy's routed experts (None for another model or an unreadable file)."""
+    if saved.get("model_type") != K3:
         return None
     for key in ("num_experts", "n_routed_experts", "num_local_experts"):  # K3Config's aliases
         if isinstance(saved.get(key), int):

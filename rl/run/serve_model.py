@@ -293,6 +293,15 @@ def _port_error(host: str, port: int, exc: Exception) -> ConfigError:
     )
 
 
+def wait_for_ctrl_c(poll_s: float = 1.0) -> None:
+    """Block until KeyboardInterrupt. Timed waits: an untimed one in the main thread never wakes
+    for a SIGINT the kernel handed to another thread (the HTTP server's, torch's), so the
+    Python handler would not run until something else woke it."""
+    never = threading.Event()
+    while not never.wait(poll_s):
+        pass
+
+
 def serve(
     target: Path,
     *,
@@ -345,7 +354,7 @@ def serve(
             flush=True,
         )
         try:
-            threading.Event().wait()  # until Ctrl-C
+            wait_for_ctrl_c()
         except KeyboardInterrupt:
             logger.info("stopping: the batch being sampled gets up to %g s", STOP_WAIT_S)
         finally:

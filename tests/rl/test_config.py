@@ -57,6 +57,7 @@ def test_quickstart_loads_and_overrides_apply():
         ("metrics.collapse_drop=-0.5", "metrics.collapse_drop", "must be > 0"),
         ("ray.object_store_mb=50", "ray.object_store_mb", "must be >= 75"),  # Ray's minimum
         ("trainer.segment_tokens=256", "trainer.segment_tokens", "use agentrl_k3 or set it to 0"),
+        ("policy.vocab_size=100", "policy.vocab_size", "use at least 263"),  # failed after Ray
     ],
 )
 def test_bad_values_name_the_key(override, key, fragment):
@@ -92,6 +93,7 @@ def test_cispo_clips_are_its_cap_or_nothing():
           "policy.config={}"], "trainer.expert_parallel", "the policy has none"),
         (["trainer.world_size=5", "trainer.expert_parallel=5"], "trainer.expert_parallel",
          "48 routed experts do not split evenly over 5 ranks"),
+        (["policy.config.vocab_size=1000"], "policy.config.vocab_size", "policy.vocab_size=1000"),
     ],
 )  # fmt: skip
 def test_a_policy_that_cannot_be_built_fails_at_check_time(overrides, key, fragment):
@@ -116,6 +118,39 @@ def test_a_run_directory_as_policy_path_points_at_its_final_model(tmp_path):
     for name in ("config.json", "tokenizer_config.json"):
         (tmp_path / name).write_text("{}")
     check_policy(load_config(ROOT / "configs/quickstart.yaml", [f"policy.path={tmp_path}"]))
+
+
+def test_k3_only_settings_over_a_saved_dense_policy_fail_at_check_time(tmp_path):
+    """The run file's validators check only a fresh policy's model_type: a saved qwen3 with
+    trainer.segment_tokens failed at the learner's start, after SFT."""
+    from rl.run.env_checks import check_policy
+
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    for key, value in (("segment_tokens", 128), ("exact_logprobs", "true")):
+        over = [f"policy.path={tmp_path}", f"trainer.{key}={value}"]
+        with pytest.raises(ConfigError, match=r"policy\.path is a qwen3 model") as info:
+            check_policy(load_config(ROOT / "configs/quickstart.yaml", over))
+        assert info.value.key == f"trainer.{key}"
+
+
+def test_a_harness_env_without_an_expert_fails_at_check_time(monkeypatch):
+    """configs/harness.yaml with env.kwargs.expert=null passed `agentrl check` and failed with
+    a KeyError while the policy was prepared, after Redis and Ray had started."""
+    from rl.run.env_checks import check_env
+
+    monkeypatch.chdir(ROOT)  # the run file's task file is relative to the repository
+    cfg = load_config(ROOT / "configs/harness.yaml", ["env.kwargs.expert=null"])
+    with pytest.raises(ConfigError, match="has no scripted expert") as info:
+        check_env(cfg)
+    assert info.value.key == "env.id"
+
+
+def test_the_fresh_vocabulary_floor_is_the_tokenizers():
+    from policy.tokenizer import SPECIAL_TOKENS
+    from rl.config.sections import MIN_FRESH_VOCAB
+
+    assert 256 + len(SPECIAL_TOKENS) == MIN_FRESH_VOCAB
 
 
 def test_expert_parallel_over_a_saved_policy_is_checked_against_its_experts(tmp_path):

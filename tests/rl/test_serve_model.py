@@ -279,6 +279,28 @@ def test_agentrl_serve_prints_its_url_and_stops_on_ctrl_c(model_dir):
             proc.communicate()
 
 
+def test_ctrl_c_handed_to_another_thread_still_stops_serving():
+    """The kernel may give a process's SIGINT to any thread that does not block it. Before, the
+    main thread's untimed Event().wait() then never woke: `agentrl serve` ignored the Ctrl-C
+    (seen once in a test run: no exit within 30 s)."""
+    code = (
+        "import signal, threading, time\n"
+        "from rl.run.serve_model import wait_for_ctrl_c\n"
+        "def other():\n"
+        "    time.sleep(0.5)\n"
+        "    signal.pthread_kill(threading.get_ident(), signal.SIGINT)\n"
+        "threading.Thread(target=other).start()\n"
+        "try:\n"
+        "    wait_for_ctrl_c(poll_s=0.2)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('stopped')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.stdout.strip() == "stopped", proc.stderr
+
+
 def test_close_refuses_what_still_waits(loaded):
     _, renderer, _ = loaded
     server = make_server(Scripted(renderer, "never"), renderer)  # never started
