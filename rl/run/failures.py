@@ -49,33 +49,36 @@ def stops_on_skips(metrics: dict, limit: int) -> bool:
 
 def check_env_errors(step: int, metrics: dict, limit: float, env_id: str, run_dir: Path) -> None:
     """Stop when more than `limit` of the step's episodes ended in an env error."""
-    rate = metrics.get("rollout/env_error_rate")
-    if rate is None or rate <= limit:
-        return
-    errors, episodes = metrics["rollout/env_errors"], metrics["rollout/episodes"]
-    raise RunAborted(
-        f"{errors:.0f} of {episodes:.0f} episodes of step {step} ended in an env error "
-        f"({rate:.0%} > rollout.max_env_error_rate={limit:g}): the env's reset or step raised "
-        f"(the workers' log names each distinct error) or a tool ran past "
-        f"rollout.tool_timeout_s. Env-error episodes are never trained on. Run "
-        f"`agentrl envs check {env_id}` to see the env fail on seeded episodes, fix it, or raise "
-        f"rollout.max_env_error_rate (1: never stop). {_resume(run_dir)}"
+    why = (
+        "the env's reset or step raised (the workers' log names each distinct error) or a tool "
+        "ran past rollout.tool_timeout_s. Env-error episodes are never trained on. Run "
+        f"`agentrl envs check {env_id}` to see the env fail on seeded episodes, fix it, or raise"
     )
+    _check_rate(step, metrics, "an env", "env", limit, why, run_dir)
 
 
 def check_grader_errors(step: int, metrics: dict, limit: float, run_dir: Path) -> None:
     """Stop when more than `limit` of the step's episodes ended in a grader error."""
-    rate = metrics.get("rollout/grader_error_rate")
+    why = (
+        "a reward term raised or returned NaN or inf (the workers' log names each distinct "
+        "error: `grader error in <task id>: reward raised ...`). Grader-error episodes are "
+        "never trained on. Fix the reward or the env's step rewards, or raise"
+    )
+    _check_rate(step, metrics, "a grader", "grader", limit, why, run_dir)
+
+
+def _check_rate(
+    step: int, metrics: dict, an: str, kind: str, limit: float, why: str, run_dir: Path
+) -> None:
+    """RunAborted when rollout/<kind>_error_rate passes rollout.max_<kind>_error_rate."""
+    rate = metrics.get(f"rollout/{kind}_error_rate")
     if rate is None or rate <= limit:
         return
-    errors, episodes = metrics["rollout/grader_errors"], metrics["rollout/episodes"]
+    errors, episodes = metrics[f"rollout/{kind}_errors"], metrics["rollout/episodes"]
+    key = f"rollout.max_{kind}_error_rate"
     raise RunAborted(
-        f"{errors:.0f} of {episodes:.0f} episodes of step {step} ended in a grader error "
-        f"({rate:.0%} > rollout.max_grader_error_rate={limit:g}): a reward term raised or "
-        f"returned NaN or inf (the workers' log names each distinct error: `grader error in "
-        f"<task id>: reward raised ...`). "
-        f"Grader-error episodes are never trained on. Fix the reward or the env's step rewards, "
-        f"or raise rollout.max_grader_error_rate (1: never stop). {_resume(run_dir)}"
+        f"{errors:.0f} of {episodes:.0f} episodes of step {step} ended in {an} error "
+        f"({rate:.0%} > {key}={limit:g}): {why} {key} (1: never stop). {_resume(run_dir)}"
     )
 
 
