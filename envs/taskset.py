@@ -95,9 +95,15 @@ class TaskSet:
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         if HELDOUT_SEEDS <= seed < DEMO_SEEDS:
-            pool = self.heldout or self.train
+            pool = self.eval_rows
             return pool[(seed - HELDOUT_SEEDS) % len(pool)]
         return self.train[int(np.random.default_rng(seed).integers(len(self.train)))]
+
+    @property
+    def eval_rows(self) -> tuple[dict[str, Any], ...]:
+        """The rows evaluation's seeds enumerate: the held-out rows, else (none held out) the
+        training rows. More evaluation seeds than these replay them."""
+        return self.heldout or self.train
 
     def __len__(self) -> int:
         return len(self.train) + len(self.heldout)

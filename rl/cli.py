@@ -35,7 +35,7 @@ from rl.config.runfile import (
 from rl.observe.trackers import check_installed
 from rl.run.commands import add_after_training, run_dir_arg
 from rl.run.devices import check_devices
-from rl.run.env_checks import check_env, check_env_id
+from rl.run.env_checks import check_env, check_env_id, check_prompt_room
 
 
 def output_arg(path: str, default_name: str) -> Path:
@@ -70,6 +70,7 @@ def load(args) -> RunConfig:
     check_env_id(data)
     cfg = build_config(data)
     check_env(cfg)
+    check_prompt_room(cfg)  # with policy.path's tokenizer (a fresh one: when the run builds it)
     check_installed(cfg)  # metrics.wandb / metrics.mlflow on without its package
     check_devices(cfg)  # an explicit cuda this machine cannot serve (local Ray)
     return cfg

@@ -12,12 +12,17 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl.config.errors import ConfigError
 
+if TYPE_CHECKING:
+    from envs.taskset import TaskSet
+
 DATASET_ENV = "agentrl/Dataset-v0"
 HARNESS_ENV = "agentrl/Harness-v0"
+TASK_FILE_ENVS = (DATASET_ENV, HARNESS_ENV)
+SPLIT_KWARGS = ("prompt_key", "answer_key", "heldout_fraction", "split_seed")
 GRADERS = ("exact", "numeric", "judge")
 SUFFIXES = (".jsonl", ".parquet")
 _FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -97,3 +102,15 @@ def task_file(dataset: str) -> str:
         shown = f" (looked for {path})" if str(path) != dataset else ""
         raise ConfigError("dataset", f"no such file {dataset!r}{shown}")
     return str(path)
+
+
+def task_set(env: Any) -> TaskSet | None:
+    """The rows of the task file an env section plays (agentrl/Dataset-v0 or Harness-v0 with
+    kwargs.path), split as the env splits them (envs/taskset.py); None for any other env (a
+    mixture of envs too)."""
+    kwargs = env.kwargs
+    if env.id not in TASK_FILE_ENVS or not kwargs.get("path"):
+        return None
+    from envs.taskset import TaskSet
+
+    return TaskSet.load(kwargs["path"], **{k: kwargs[k] for k in SPLIT_KWARGS if k in kwargs})

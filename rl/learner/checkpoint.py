@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -176,15 +177,20 @@ def _jsonl_lines(path: Path) -> list[tuple[str, Any]]:
     return out
 
 
-def truncate_jsonl(path: Path, step: int) -> int:
-    """Keep the records of a JSON-lines file whose "step" is <= `step` (a torn last line goes
-    too); returns how many went. Rewritten through a temporary file, so a crash meanwhile
-    leaves the old file whole; CheckpointError for a file that cannot be read."""
+def truncate_jsonl(path: Path, step: int, *, drop: Callable[[dict], bool] | None = None) -> int:
+    """Keep the records of a JSON-lines file whose "step" is <= `step` and that `drop` (if
+    given) does not match (a torn last line goes too); returns how many went. Rewritten through
+    a temporary file, so a crash meanwhile leaves the old file whole; CheckpointError for a
+    file that cannot be read."""
     if not path.exists():
         return 0
     try:
         lines = _jsonl_lines(path)
-        keep = [line for line, record in lines if record["step"] <= step]
+        keep = [
+            line
+            for line, record in lines
+            if record["step"] <= step and not (drop is not None and drop(record))
+        ]
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"cannot cut {path} back to step {step}: {exc!r}") from None
     written = sum(1 for line in path.read_text(errors="replace").splitlines() if line.strip())

@@ -5,14 +5,17 @@ rl/run/offline_eval.py (`agentrl eval`, one worker in process) both go through i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from envs.mixture import MIX_ID, env_of_seed
+from envs.taskset import TaskSet
 from envs.types import HELDOUT_SEEDS
 from rl.observe.stats import success_interval
 
+logger = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = HELDOUT_SEEDS  # training seeds stay below this (envs/types.py)
 
 
@@ -55,6 +58,33 @@ class EvalResult:
 def eval_seeds(tasks: int) -> list[int]:
     """The held-out seeds of an evaluation on `tasks` tasks (the same ones in every run)."""
     return [EVAL_SEED_OFFSET + i for i in range(tasks)]
+
+
+def fit_tasks(rows: TaskSet | None, tasks: int, key: str) -> int:
+    """`tasks`, or the task file's distinct evaluation rows (`rows.eval_rows`) when it has
+    fewer: seeds past them replay the same rows, which would count as other tasks (an interval
+    too narrow). A line says so, naming the setting `key`; `rows` None: any other env."""
+    if rows is None or tasks <= len(rows.eval_rows):
+        return tasks
+    n, kind = len(rows.eval_rows), "held-out" if rows.heldout else "training"
+    logger.warning(
+        f"{key}={tasks}, but {rows.source} has {n} {kind} rows: evaluating on those {n}, each "
+        "once (more would replay rows as if they were other tasks)"
+    )
+    return n
+
+
+def warn_train_only(rows: TaskSet | None) -> None:
+    """A warning when the task file holds no row out: evaluation then plays training rows."""
+    if rows is None or rows.heldout:
+        return
+    fix = "give some rows split: heldout"
+    if any(row.get("split") is None for row in rows.train):
+        fix = f"set env.kwargs.heldout_fraction above 0, or {fix}"
+    logger.warning(
+        f"!!! {rows.source} holds out no row: evaluation plays training rows, which measures "
+        f"fit, not generalisation; to hold some out, {fix}"
+    )
 
 
 def mixture_envs(cfg: Any) -> Callable[[int], str] | None:

@@ -1,6 +1,7 @@
 """Optional experiment trackers: Weights & Biases (`metrics.wandb: true`) and MLflow
 (`metrics.mlflow: true`). Off by default and never needed by the tests; `agentrl check` and
-`agentrl train` refuse a run file that turns one on when its package is not installed.
+`agentrl train` refuse a run file that turns one on when its package is not installed, and the
+run starts them before SFT (`open_trackers`: one that cannot start is a ConfigError naming it).
 
 rl/observe/metrics.py's MetricsLogger hands each record to every tracker after metrics.jsonl: the
 numeric metrics of a training step under their own keys, an evaluation's as
@@ -45,10 +46,33 @@ def check_installed(cfg: RunConfig) -> None:
             )
 
 
+TRACKER_ADVICE = {
+    "wandb": "run `wandb login` (or set WANDB_API_KEY, or WANDB_MODE=offline)",
+    "mlflow": "check MLFLOW_TRACKING_URI and that its server is up",
+}
+
+
 def open_trackers(cfg: RunConfig, run_dir: Path) -> list:
+    """One started tracker per `metrics.<name>: true`. The run opens them before SFT, so a
+    tracker that cannot start (no W&B login, an MLflow server down) fails the run at once: a
+    ConfigError naming the key, the tracker's own message and the usual fix; the trackers
+    already started are closed."""
     check_installed(cfg)
     kinds = {"wandb": WandbTracker, "mlflow": MlflowTracker}
-    return [kinds[name](cfg, Path(run_dir)) for name in enabled(cfg)]
+    started: list = []
+    for name in enabled(cfg):
+        try:
+            started.append(kinds[name](cfg, Path(run_dir)))
+        except Exception as exc:
+            for tracker in started:
+                tracker.close()
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise ConfigError(
+                f"metrics.{name}",
+                f"{name} did not start: {message}; {TRACKER_ADVICE[name]}, "
+                f"or set metrics.{name}=false",
+            ) from exc
+    return started
 
 
 def tracker_metrics(metrics: dict, phase: str) -> dict[str, float]:

@@ -25,6 +25,7 @@ from rl.config.runfile import RolloutConfig, RunConfig
 from rl.learner.distributed import Shard
 from rl.learner.learner import Learner
 from rl.run.devices import torch_device
+from rl.run.env_checks import check_prompt_room
 from rl.run.launch import connect
 from rl.sft.warm_start import expert_demonstrations
 from rollout.episode import EpisodeLimits
@@ -56,6 +57,7 @@ def prepare_policy(cfg: RunConfig, run_dir: Path) -> Path:
     demos = expert_demonstrations(cfg, count, error_rate=0.5, seed=cfg.seed + 7919)
     corpus = render_conversations((d.messages, d.tools) for d in demos) + ERROR_SAMPLES
     tokenizer = build_tokenizer(corpus, vocab_size=cfg.policy.vocab_size)
+    check_prompt_room(cfg, tokenizer)  # its first chance: the tokenizer exists only now
     model = build_model(
         cfg.policy.model_type, cfg.policy.config, vocab_size=len(tokenizer), seed=cfg.seed
     )

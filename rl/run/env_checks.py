@@ -1,16 +1,18 @@
 """Check-time checks of a run file's env, before anything starts (`agentrl train`, `check` and
 `eval` in rl/cli.py and rl/run/commands.py): the env id is known (`check_env_id`, on the raw run
 file, before the slow policy checks), then each env (every entry of a mix, each curriculum
-stage's kwargs) registers, takes its kwargs and builds once (`check_env`). Every failure is a
-ConfigError naming the run-file key."""
+stage's kwargs) registers, takes its kwargs and builds once (`check_env`); for `train` and
+`check`, an opening prompt leaves room for a turn (`check_prompt_room`: policy.path's tokenizer,
+a fresh policy's when the run builds it). Every failure is a ConfigError naming the run-file key."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 from rl.config.mix import check_mix_expert
-from rl.config.runfile import ConfigError, RunConfig
+from rl.config.runfile import ConfigError, RunConfig, policy_max_positions
 
 
 def check_env_id(data: dict) -> None:
@@ -186,3 +188,92 @@ def _env_key(env: Any, where: str, key: str | None) -> str:
         if key == "grader" and env.grader is not None:
             return prefix + "grader"
     return f"{where}.{key}" if key else where
+
+
+PROBE_SEEDS = 4
+"""Tasks (seeds 0-3) whose opening prompts `check_prompt_room` renders, until one fits."""
+
+
+def check_prompt_room(cfg: RunConfig, tokenizer: Any = None) -> None:
+    """An opening prompt leaves room for a turn of max_new_tokens within max_seq_len (each
+    curriculum stage's within its own); when none of PROBE_SEEDS tasks' does, every episode would
+    end "context full" before its first token (rollout/agent.py) and the run learn nothing.
+    `tokenizer`: the policy's; None: policy.path's, skipped when there is none or it does not
+    load (a fresh policy's exists once rl/run/build.py prepare_policy trains it, and checks)."""
+    if tokenizer is None:
+        tokenizer = _saved_tokenizer(cfg.policy.path)
+        if tokenizer is None:
+            return
+    from rl.run.curriculum import staged
+    from rollout.render import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer)
+    for index in range(len(cfg.curriculum)) if cfg.curriculum else [None]:
+        prompt = _prompt_over(staged(cfg, index), renderer)
+        if prompt is not None:
+            raise _no_room(cfg, index, prompt)
+
+
+def _saved_tokenizer(path: str | None) -> Any:
+    """policy.path's tokenizer, or None (no path, or one that does not load: the run says why)."""
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:
+        return None
+
+
+def _prompt_over(run: RunConfig, renderer: Any) -> int | None:
+    """The shortest opening prompt (tokens, as rollout/episode.py open_episode renders it) of
+    tasks 0 .. PROBE_SEEDS - 1 when none leaves room for a turn, else None (it stops at the first
+    that does). A reset or render that raises is skipped (`agentrl envs check ID` shows it)."""
+    import gymnasium
+
+    import envs
+
+    envs.ensure_registered(run.env.id, run.env.entry_point)
+    env = gymnasium.make(run.env.id, **run.env.kwargs)
+    room, lengths = run.rollout.max_seq_len - run.rollout.max_new_tokens, []
+    try:
+        for seed in range(PROBE_SEEDS):
+            with contextlib.suppress(Exception):
+                observation, info = env.reset(seed=seed)
+                lengths.append(len(renderer.prompt(observation, info.get("tools", []))))
+                if lengths[-1] <= room:
+                    return None
+    finally:
+        with contextlib.suppress(Exception):  # closing is not what is checked
+            env.close()
+    return min(lengths, default=None)
+
+
+def _no_room(cfg: RunConfig, index: int | None, prompt: int) -> ConfigError:
+    """The error naming max_seq_len (the run's or the stage's), max_new_tokens, the policy's
+    max_position_embeddings, and the fixes."""
+    from rl.run.curriculum import staged
+
+    rollout = staged(cfg, index).rollout
+    seq, new = rollout.max_seq_len, rollout.max_new_tokens
+    key, new_key = "rollout.max_seq_len", "rollout.max_new_tokens"
+    if index is not None:
+        key = f"curriculum[{index}].max_seq_len"
+        if cfg.curriculum[index].max_new_tokens is not None:
+            new_key = f"curriculum[{index}].max_new_tokens"
+    limit = policy_max_positions(cfg.policy)
+    takes = "" if limit is None else f" (the policy takes {limit}: max_position_embeddings)"
+    fixes = [f"lower {new_key} to {seq - prompt} or less"] if prompt < seq else []
+    if limit is None or prompt + new <= limit:
+        fixes.insert(0, f"raise {key} to {prompt + new} or more")
+    elif seq < limit and prompt < limit:
+        fixes.insert(0, f"raise {key} to {limit} with {new_key} {limit - prompt} or less")
+    fixes.append("give the env shorter prompts (its kwargs)")
+    return ConfigError(
+        key,
+        f"{seq}{takes} leaves no room for a turn: the shortest opening prompt of {PROBE_SEEDS} "
+        f"tasks is {prompt} tokens (the policy's tokenizer), and {prompt} + {new_key} {new} > "
+        f'{seq}, so every episode would end "context full" before its first token and the run '
+        f"would learn nothing; {', or '.join(fixes)}",
+    )

@@ -10,7 +10,16 @@ import time
 import ray
 
 from policy.sampling import SamplingParams
-from rl.observe.evaluate import EvalResult, eval_seeds, held_out_eval, mixture_envs
+from rl.config.dataset import task_set
+from rl.config.runfile import RunConfig
+from rl.observe.evaluate import (
+    EvalResult,
+    eval_seeds,
+    fit_tasks,
+    held_out_eval,
+    mixture_envs,
+    warn_train_only,
+)
 from rl.observe.metrics import MetricsLogger, eval_record
 from rl.run.build import sampling
 from rl.run.curriculum import staged
@@ -40,6 +49,25 @@ def evaluate(
         )
 
     return held_out_eval(mode, samples, chunks, run, env_of=env_of)
+
+
+def fit_evals(cfg: RunConfig) -> RunConfig:
+    """`cfg` with eval.tasks and each curriculum gate's tasks cut to the distinct rows of the
+    task file they play (`fit_tasks`; the evaluation's at the longest stage, a gate's at its
+    own), after a warning if that file holds no row out; `cfg` itself for any other env."""
+    last = len(cfg.curriculum) - 1 if cfg.curriculum else None
+    rows = task_set(staged(cfg, last).env)
+    if rows is None:
+        return cfg
+    if cfg.eval.tasks or any(stage.gate for stage in cfg.curriculum):
+        warn_train_only(rows)
+    out = cfg.model_copy(deep=True)
+    out.eval.tasks = fit_tasks(rows, cfg.eval.tasks, "eval.tasks")
+    for i, stage in enumerate(out.curriculum):
+        if stage.gate is not None:
+            key, gate_rows = f"curriculum[{i}].gate.tasks", task_set(staged(cfg, i).env)
+            stage.gate.tasks = fit_tasks(gate_rows, stage.gate.tasks, key)
+    return out
 
 
 def set_stage(cfg, workers, index: int | None) -> None:

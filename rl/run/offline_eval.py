@@ -23,9 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from policy.sampling import SamplingParams
+from rl.config.dataset import task_set
 from rl.config.runfile import ConfigError, RunConfig
 from rl.observe.console import PACKAGES
-from rl.observe.evaluate import EvalResult, eval_seeds, held_out_eval, mixture_envs
+from rl.observe.evaluate import (
+    EvalResult,
+    eval_seeds,
+    fit_tasks,
+    held_out_eval,
+    mixture_envs,
+    warn_train_only,
+)
 from rl.run.build import build_worker, sampling
 from rl.run.curriculum import staged
 from rl.run.devices import local_gpus
@@ -167,6 +175,7 @@ def evaluate_target(
     settings where not given; with `json_output` every log and progress line goes to stderr,
     so that stdout holds the JSON alone."""
     e = cfg.eval
+    key = "eval.tasks" if tasks is None else "--tasks"
     tasks = e.tasks if tasks is None else tasks
     samples = e.samples if samples is None else samples
     _check_counts(tasks, samples)  # before a checkpoint is exported for nothing
@@ -175,7 +184,7 @@ def evaluate_target(
     with quiet, eval_model(target, cfg) as model:
         greedy = e.greedy if greedy is None else greedy
         return evaluate_model(
-            cfg, model, tasks=tasks, samples=samples, greedy=greedy, target=str(target)
+            cfg, model, tasks=tasks, samples=samples, greedy=greedy, target=str(target), key=key
         )
 
 
@@ -216,10 +225,15 @@ def evaluate_model(
     greedy: bool,
     target: str = "",
     progress: Callable[[str], None] = logger.info,
+    key: str = "eval.tasks",
 ) -> EvalReport:
-    """Every mode of the held-out evaluation of `model`, with intervals (no metrics written)."""
+    """Every mode of the held-out evaluation of `model`, with intervals (no metrics written);
+    `tasks` at most the task file's distinct evaluation rows (`key`: the setting it came from)."""
     _check_counts(tasks, samples)
     cfg = eval_config(cfg)
+    rows = task_set(cfg.env)
+    warn_train_only(rows)
+    tasks = fit_tasks(rows, tasks, key)
     progress(f"evaluating {model.name} ({model.source}) on {cfg.rollout.device}")
     worker = build_worker(cfg, model.path, None, "eval", 0)
     renderer = worker.renderer

@@ -78,6 +78,12 @@ def load_latest(run_dir: Path, *, rng: bool = True) -> tuple[Path, RunState]:
     return path, RunState.from_json(ckpt.read_json(path / "driver.json"), rng=rng)
 
 
-def truncate_metrics(run_dir: Path, step: int) -> int:
-    """Drop records written after `step` (a resumed run writes them again); returns how many."""
-    return truncate_jsonl(run_dir / "metrics.jsonl", step)
+def truncate_metrics(run_dir: Path, step: int, *, final: int | None = None) -> int:
+    """Drop records written after `step` (a resumed run writes them again), and the evaluation
+    records at step `final` (the run's last: a resume from it runs its final evaluation again);
+    returns how many."""
+
+    def final_eval(record: dict) -> bool:
+        return record["step"] == final and record.get("phase") == "eval"
+
+    return truncate_jsonl(run_dir / "metrics.jsonl", step, drop=final_eval)

@@ -27,7 +27,7 @@ from rl.observe.metrics import (
 from rl.observe.trackers import open_trackers
 from rl.run.async_loop import async_train
 from rl.run.build import prepare_policy
-from rl.run.evals import evals_at_longest
+from rl.run.evals import evals_at_longest, fit_evals
 from rl.run.runstate import RunState, load_latest, truncate_metrics
 from rl.run.sync_loop import sync_train
 from rl.run.weights import push_weights
@@ -67,7 +67,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
 
     run_id = run_dir.name
     with services(cfg, run_dir) as svc:
-        cfg = resolved_devices(cfg)
+        cfg = fit_evals(resolved_devices(cfg))  # eval.tasks within a task file's rows
         check_cluster(cfg)  # before any work: a request the cluster cannot meet fails now
         say(f"run directory: {run_dir}")
         if (banner := faults.banner(cfg.testing.faults)) is not None:
@@ -75,6 +75,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
         checkpoint, state = load_latest(run_dir, rng=resume.rng) if resume else (None, None)
         svc.redis.delete(RunKeys(run_id).learner_stop)  # set when an earlier job stopped
         sft_report: dict[str, float] = {}
+        trackers = open_trackers(cfg, run_dir)  # a W&B login that fails, fails before SFT
         if state is None:
             state, sft_report = warm_start(cfg, run_dir)
         say(f"starting {cfg.rollout.num_workers} rollout workers and the learner on Ray")
@@ -87,7 +88,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
             stream=RunKeys(run_id).metrics,
             tensorboard=cfg.metrics.tensorboard,
             purge_step=state.step + 1 if checkpoint else None,
-            trackers=open_trackers(cfg, run_dir),
+            trackers=trackers,
         )
         renderer = ChatRenderer(_tokenizer(state.model_dir))
         if checkpoint is None:  # evaluations run at the curriculum's longest stage
@@ -126,11 +127,20 @@ def resolved_devices(cfg: RunConfig) -> RunConfig:
     return out
 
 
+UNTRAINED_START = (
+    "sft.enabled is false and policy.path is not set: RL starts from a randomly initialised "
+    "policy, which rarely earns a reward to learn from; set policy.path to a trained model (e.g. "
+    "a run's sft-model) or sft.enabled: true"
+)
+
+
 def warm_start(cfg: RunConfig, run_dir: Path) -> tuple[RunState, dict[str, float]]:
     """A fresh policy, then (if enabled) SFT on the expert's demonstrations with TRL; returns
     the run state and the SFT figures on held-out demonstrations (rl/sft/check.py)."""
     model_dir = prepare_policy(cfg, run_dir)
     if not cfg.sft.enabled:
+        if cfg.policy.path is None:
+            logger.warning(f"!!! {UNTRAINED_START}")
         return RunState.start(cfg.seed, model_dir, "init"), {}
     from policy.hf import load_model
     from rl.run.devices import sft_device
@@ -202,7 +212,7 @@ def restore(
     push_weights(
         learner, workers, timeout_s=cfg.weights.push_timeout_s, transport=cfg.weights.transport
     )
-    dropped = truncate_metrics(run_dir, state.step)
+    dropped = truncate_metrics(run_dir, state.step, final=cfg.trainer.steps)
     ledger.truncate(run_dir, state.step)
     trajlog.truncate(run_dir, state.step)
     fate = "will be trained (none is lost)" if rewind else "are discarded and will be redone"

@@ -147,6 +147,7 @@ def test_two_rows_give_one_of_each_and_zero_holds_out_nothing(tmp_path):
     assert len(one.train) == 1 and not one.heldout
     none = TaskSet.load(write_jsonl(tmp_path / "ten.jsonl", qa_rows(10)), heldout_fraction=0)
     assert len(none.train) == 10 and not none.heldout
+    assert none.eval_rows == none.train and two.eval_rows == two.heldout
     # evaluation then plays the training rows, in file order
     assert [none.row_for(HELDOUT_SEEDS + i)["id"] for i in range(12)] == [*range(10), 0, 1]
 

@@ -3,12 +3,15 @@ directory (or the reverse), an empty directory, a run file that is not UTF-8, em
 answers with one `agentrl: ...` line naming the problem and exits 2, never with a traceback;
 `agentrl check` builds the env once, so a kwarg value its constructor refuses is a config error;
 an unknown env id fails at once with the closest registered id; `agentrl plot --output PATH`;
-trainer.context_parallel sizes the learner mesh cannot hold are refused by `agentrl check`.
-Each command runs the CLI in a fresh process, as a user would."""
+trainer.context_parallel sizes the learner mesh cannot hold are refused by `agentrl check`; so
+is an opening prompt that leaves no room for a turn (every episode would end "context full");
+RL from a random policy (sft.enabled false, no policy.path) is warned about. Each command runs
+the CLI in a fresh process, as a user would."""
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from rl.config.errors import ConfigError
-from rl.run.env_checks import check_env_id
+from rl.config.runfile import load_config
+from rl.run.env_checks import check_env_id, check_prompt_room
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
@@ -296,3 +300,54 @@ def test_check_accepts_context_parallel_with_expert_parallel():
         "trainer.expert_parallel=2",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+# 5. an opening prompt that leaves no room for a turn: every episode would end "context full"
+
+
+def test_check_refuses_a_prompt_that_leaves_no_room_for_a_turn(model_dir):
+    """Before, the run started and every episode ended "context full" before its first token:
+    nothing was trained, and nothing said why."""
+    saved = f"policy.path={model_dir}"
+    proc = agentrl("check", QUICKSTART, saved, "rollout.max_seq_len=64")
+    refused(
+        proc, "config error: rollout.max_seq_len: 64 (the policy takes 1024: max_position_",
+        "+ rollout.max_new_tokens 48 > 64", '"context full"', "raise rollout.max_seq_len to",
+    )  # fmt: skip
+    assert agentrl("check", QUICKSTART, saved).returncode == 0  # 1024 leaves room
+
+
+def test_a_fresh_tokenizer_is_checked_at_each_curriculum_stage(tokenizer):
+    """A fresh policy's tokenizer exists once the run trains it (rl/run/build.py
+    prepare_policy checks then); each stage is checked with its own limits."""
+    stages = (
+        "curriculum=[{name: a, steps: 1, max_seq_len: 1024}, "
+        "{name: b, steps: 1, max_seq_len: 64, max_new_tokens: 8}]"
+    )
+    cfg = load_config(QUICKSTART, ["trainer.steps=2", stages])
+    with pytest.raises(ConfigError) as info:
+        check_prompt_room(cfg, tokenizer)
+    assert info.value.key == "curriculum[1].max_seq_len"
+    assert "curriculum[1].max_new_tokens 8 > 64" in info.value.message
+    check_prompt_room(load_config(QUICKSTART), tokenizer)  # the quickstart's 1024 leaves room
+    check_prompt_room(load_config(QUICKSTART, ["rollout.max_seq_len=64"]))  # no tokenizer yet
+
+
+# 6. RL from a randomly initialised policy: allowed (the test suite's runs do it for speed), said
+
+
+def test_rl_from_a_random_policy_is_warned_about_once(tmp_path, monkeypatch, caplog):
+    import rl.run.train as train
+
+    monkeypatch.setattr(train, "prepare_policy", lambda cfg, run_dir: tmp_path)
+    with caplog.at_level(logging.WARNING, logger="rl.run.train"):
+        state, report = train.warm_start(load_config(QUICKSTART, ["sft.enabled=false"]), tmp_path)
+    assert state.base_label == "init" and report == {}
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [f"!!! {train.UNTRAINED_START}"]
+    assert "sft.enabled is false and policy.path is not set" in warned[0]
+    caplog.clear()
+    saved = load_config(QUICKSTART, ["sft.enabled=false", f"policy.path={tmp_path}"])
+    with caplog.at_level(logging.WARNING, logger="rl.run.train"):
+        train.warm_start(saved, tmp_path)  # a saved policy: RL from it is what was asked
+    assert caplog.records == []

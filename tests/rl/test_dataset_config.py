@@ -131,3 +131,58 @@ def test_the_seed_ranges_are_shared():
 
     assert EVAL_SEED_OFFSET == HELDOUT_SEEDS
     assert DEMO_SEED_OFFSET == DEMO_SEEDS  # demonstrations never play held-out rows
+
+
+def warnings_of(monkeypatch) -> list[str]:
+    """The warnings rl/observe/evaluate.py gives from now on (an in-process `main` sets up the
+    console, after which our loggers no longer propagate to caplog)."""
+    said: list[str] = []
+    monkeypatch.setattr("rl.observe.evaluate.logger.warning", said.append)
+    return said
+
+
+def test_evaluation_plays_each_held_out_row_once(workdir, monkeypatch):
+    """Seeds past the held-out rows replay them (they wrap around), and each replay counted as
+    another task: eval.tasks 50 on 5 held-out rows gave an interval as if 50 were evaluated.
+    The run cuts eval.tasks, and a gate's tasks, to the rows, saying so."""
+    from rl.run.evals import fit_evals
+
+    gate = {"success": 0.5, "every": 2, "tasks": 8}
+    stages = [{"name": "only", "steps": 4, "max_seq_len": 1024, "gate": gate}]
+    cfg = build_config(
+        {
+            "env": {"dataset": "tasks.jsonl"},
+            "eval": {"tasks": 50},
+            "trainer": {"steps": 4},
+            "curriculum": stages,
+        }
+    )
+    said = warnings_of(monkeypatch)
+    fitted = fit_evals(cfg)
+    assert (fitted.eval.tasks, fitted.curriculum[0].gate.tasks) == (5, 5)  # 5 of 20 held out
+    assert (cfg.eval.tasks, cfg.curriculum[0].gate.tasks) == (50, 8)  # the run file's, as saved
+    eval_line, gate_line = said  # one line each; no warning about training rows
+    assert eval_line.startswith("eval.tasks=50, but ") and "has 5 held-out rows" in eval_line
+    assert gate_line.startswith("curriculum[0].gate.tasks=8, but ")
+    few = build_config({"env": {"dataset": "tasks.jsonl"}, "eval": {"tasks": 4}})
+    assert fit_evals(few).eval.tasks == 4
+
+
+def test_a_file_that_holds_out_no_row_warns_that_eval_plays_training_rows(workdir, monkeypatch):
+    """Every row `split: train` (or heldout_fraction 0): evaluation silently played training
+    rows. Now a warning at start says so, and how to hold some out."""
+    from rl.run.evals import fit_evals
+
+    rows = [{"prompt": f"{i} + 2 = ?", "answer": i + 2, "split": "train"} for i in range(6)]
+    (workdir / "train.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    said = warnings_of(monkeypatch)
+    assert fit_evals(build_config({"env": {"dataset": "train.jsonl"}})).eval.tasks == 6
+    warning, cut = said
+    assert "train.jsonl holds out no row: evaluation plays training rows" in warning
+    assert warning.endswith("give some rows split: heldout")  # their split column decides
+    assert cut.startswith("eval.tasks=200, but ") and "has 6 training rows" in cut
+    said.clear()
+    env = {"dataset": "tasks.jsonl", "kwargs": {"heldout_fraction": 0.0}}
+    assert fit_evals(build_config({"env": env, "eval": {"tasks": 4}})).eval.tasks == 4
+    (warning,) = said
+    assert "set env.kwargs.heldout_fraction above 0, or give some rows split" in warning

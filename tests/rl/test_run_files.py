@@ -15,6 +15,7 @@ import pytest
 from rl.cli import strict_exit
 from rl.learner.checkpoint import CheckpointError, read_jsonl, truncate_jsonl
 from rl.observe.evaluate import EvalResult
+from rl.run.runstate import truncate_metrics
 from rl.run.train import report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,30 @@ def test_a_torn_last_line_is_left_out_and_a_torn_middle_line_named(tmp_path):
         truncate_jsonl(path, 1)
     assert path.read_text().count("\n") == 3  # left as it was
     assert read_jsonl(tmp_path / "missing.jsonl") == [] and truncate_jsonl(tmp_path / "x", 1) == 0
+
+
+def test_a_resume_from_the_last_step_runs_its_final_evaluation_once_more_not_twice(tmp_path):
+    """A run resumed from its last step's checkpoint (it had finished, or stopped during its
+    final evaluation) evaluates again: before, the earlier final-evaluation records stayed and
+    the new ones were appended, so the run showed two final evaluations at that step."""
+    lines = (
+        '{"step": 0, "phase": "eval", "eval/label": "sft"}',
+        '{"step": 1, "phase": "train"}',
+        '{"step": 1, "phase": "eval", "eval/label": "grpo"}',  # eval.every
+        '{"step": 2, "phase": "train"}',
+        '{"step": 2, "phase": "eval", "eval/label": "grpo", "eval/mode": "sampled"}',
+        '{"step": 2, "phase": "eval", "eval/label": "grpo", "eval/mode": "greedy"}',
+    )
+    path = tmp_path / "metrics.jsonl"
+    write(path, *lines)
+    assert truncate_metrics(tmp_path, 2, final=2) == 2
+    kept = [(r["step"], r["phase"]) for r in read_jsonl(path)]
+    assert kept == [(0, "eval"), (1, "train"), (1, "eval"), (2, "train")]  # step 2 is not redone
+    write(path, *lines)
+    assert truncate_metrics(tmp_path, 1, final=2) == 3  # an earlier step: as before
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 1]
+    write(path, *lines)
+    assert truncate_metrics(tmp_path, 2) == 0  # without `final`, nothing at the step goes
 
 
 def result(mode: str, success: float) -> EvalResult:

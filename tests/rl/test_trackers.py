@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
 from rl.cli import main
+from rl.config.errors import ConfigError
 from rl.config.runfile import load_config
 from rl.observe.metrics import MetricsLogger, eval_record
 from rl.observe.trackers import open_trackers, tracker_metrics
@@ -139,3 +143,61 @@ def test_a_tracker_without_its_package_fails_the_config_check(name, capsys, monk
     )
     monkeypatch.setitem(sys.modules, name, fake_module(name))
     assert main(["check", QUICKSTART, f"metrics.{name}=true"]) == 0
+
+
+def test_a_tracker_that_cannot_start_is_a_config_error_naming_its_key(tmp_path, monkeypatch):
+    """wandb.init without a login raised from deep inside the run (a traceback); now one error
+    names metrics.wandb, wandb's own first line and the fix. A tracker that had started before
+    the one that failed is closed again."""
+    calls: list = []
+    wandb = fake_wandb(calls)
+
+    def init(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty). call wandb.login(key=...)\nmore")
+
+    wandb.init = init
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    with pytest.raises(ConfigError) as info:
+        open_trackers(load_config(QUICKSTART, ["metrics.wandb=true"]), tmp_path)
+    assert info.value.key == "metrics.wandb"
+    assert info.value.message == (
+        "wandb did not start: api_key not configured (no-tty). call wandb.login(key=...); "
+        "run `wandb login` (or set WANDB_API_KEY, or WANDB_MODE=offline), "
+        "or set metrics.wandb=false"
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    mlflow = fake_mlflow(calls)
+
+    def start_run(**kwargs):
+        raise ConnectionError("Max retries exceeded with url: /api/2.0/mlflow/runs/create")
+
+    mlflow.start_run = start_run
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    both = load_config(QUICKSTART, ["metrics.wandb=true", "metrics.mlflow=true"])
+    with pytest.raises(ConfigError, match=r"mlflow did not start: Max retries exceeded") as info:
+        open_trackers(both, tmp_path)
+    assert info.value.key == "metrics.mlflow" and "MLFLOW_TRACKING_URI" in info.value.message
+    assert [c[0] for c in calls] == ["init", "set_experiment", "finish"]  # W&B's run closed
+
+
+def test_the_run_opens_its_trackers_before_sft(tmp_path):
+    """A W&B login failure surfaced only after SFT (minutes into the quickstart); now the run
+    stops before the policy is even built."""
+    fake = tmp_path / "site"
+    fake.mkdir()
+    (fake / "wandb.py").write_text(
+        "def init(**kwargs):\n    raise RuntimeError('api_key not configured (no-tty)')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "rl.cli", "train", str(root / QUICKSTART), "metrics.wandb=true"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(fake)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "config error: metrics.wandb: wandb did not start: api_key not configured" in proc.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert not (run_dir / "policy-init").exists()  # stopped before the policy was built
