@@ -19,11 +19,13 @@ sampled or greedy; rl.observe.metrics.eval_record), at the same step.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from rl.config.runfile import ConfigError, RunConfig
@@ -73,6 +75,19 @@ def open_trackers(cfg: RunConfig, run_dir: Path) -> list:
                 f"or set metrics.{name}=false",
             ) from exc
     return started
+
+
+@contextlib.contextmanager
+def closed_on_error(trackers: list) -> Iterator[list]:
+    """`trackers`, closed if the block raises (the run's start before MetricsLogger owns them:
+    SFT, the actors, a resume), so a run that fails early leaves no W&B or MLflow run open."""
+    try:
+        yield trackers
+    except BaseException:
+        for tracker in trackers:
+            with contextlib.suppress(Exception):
+                tracker.close()
+        raise
 
 
 def tracker_metrics(metrics: dict, phase: str) -> dict[str, float]:

@@ -190,8 +190,9 @@ def _env_key(env: Any, where: str, key: str | None) -> str:
     return f"{where}.{key}" if key else where
 
 
-PROBE_SEEDS = 4
-"""Tasks (seeds 0-3) whose opening prompts `check_prompt_room` renders, until one fits."""
+PROBE_SEEDS = 8
+"""Tasks (seeds 0-7) whose opening prompts `check_prompt_room` renders, until one fits: a file
+whose prompts are too long half the time is refused once in 256 seeds."""
 
 
 def check_prompt_room(cfg: RunConfig, tokenizer: Any = None) -> None:
@@ -226,24 +227,43 @@ def _saved_tokenizer(path: str | None) -> Any:
         return None
 
 
+def _runs_outside_code(env: Any) -> bool:
+    """Whether a reset would run the user's agent (a harness env) or start MCP servers: such
+    envs are not probed (side effects, and waits of up to their start-up timeouts)."""
+    from envs.mixture import MIX_ID
+    from rl.config.dataset import HARNESS_ENV
+
+    whole = {"id": env.id, "kwargs": env.kwargs}
+    entries = (env.kwargs.get("envs") or []) if env.id == MIX_ID else [whole]
+    return any(e.get("id") == HARNESS_ENV or (e.get("kwargs") or {}).get("mcp") for e in entries)
+
+
 def _prompt_over(run: RunConfig, renderer: Any) -> int | None:
     """The shortest opening prompt (tokens, as rollout/episode.py open_episode renders it) of
     tasks 0 .. PROBE_SEEDS - 1 when none leaves room for a turn, else None (it stops at the first
-    that does). A reset or render that raises is skipped (`agentrl envs check ID` shows it)."""
+    that does). None too when the env cannot be probed: it runs outside code
+    (`_runs_outside_code`), or its build, a reset or a render raises (the run or `agentrl envs
+    check ID` says why; one failure ends the probe, so a slow failing reset is waited for once)."""
     import gymnasium
 
     import envs
 
-    envs.ensure_registered(run.env.id, run.env.entry_point)
-    env = gymnasium.make(run.env.id, **run.env.kwargs)
+    if _runs_outside_code(run.env):
+        return None
     room, lengths = run.rollout.max_seq_len - run.rollout.max_new_tokens, []
     try:
+        envs.ensure_registered(run.env.id, run.env.entry_point)
+        env = gymnasium.make(run.env.id, **run.env.kwargs)
+    except Exception:
+        return None
+    try:
         for seed in range(PROBE_SEEDS):
-            with contextlib.suppress(Exception):
-                observation, info = env.reset(seed=seed)
-                lengths.append(len(renderer.prompt(observation, info.get("tools", []))))
-                if lengths[-1] <= room:
-                    return None
+            observation, info = env.reset(seed=seed)
+            lengths.append(len(renderer.prompt(observation, info.get("tools", []))))
+            if lengths[-1] <= room:
+                return None
+    except Exception:
+        return None
     finally:
         with contextlib.suppress(Exception):  # closing is not what is checked
             env.close()

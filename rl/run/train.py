@@ -24,7 +24,7 @@ from rl.observe.evaluate import EvalResult
 from rl.observe.metrics import (
     MetricsLogger,
 )
-from rl.observe.trackers import open_trackers
+from rl.observe.trackers import closed_on_error, open_trackers
 from rl.run.async_loop import async_train
 from rl.run.build import prepare_policy
 from rl.run.evals import evals_at_longest, fit_evals
@@ -75,21 +75,22 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
         checkpoint, state = load_latest(run_dir, rng=resume.rng) if resume else (None, None)
         svc.redis.delete(RunKeys(run_id).learner_stop)  # set when an earlier job stopped
         sft_report: dict[str, float] = {}
-        trackers = open_trackers(cfg, run_dir)  # a W&B login that fails, fails before SFT
-        if state is None:
-            state, sft_report = warm_start(cfg, run_dir)
-        say(f"starting {cfg.rollout.num_workers} rollout workers and the learner on Ray")
-        learner, workers = start_actors(cfg, Path(state.model_dir), svc.redis_url, run_id)
-        if checkpoint is not None:
-            restore(cfg, run_dir, checkpoint, state, learner, workers, resume)
-        log = MetricsLogger(
-            run_dir,
-            client=svc.redis,
-            stream=RunKeys(run_id).metrics,
-            tensorboard=cfg.metrics.tensorboard,
-            purge_step=state.step + 1 if checkpoint else None,
-            trackers=trackers,
-        )
+        # opened before SFT (a W&B login that fails, fails at once) and closed if the start fails
+        with closed_on_error(open_trackers(cfg, run_dir)) as trackers:
+            if state is None:
+                state, sft_report = warm_start(cfg, run_dir)
+            say(f"starting {cfg.rollout.num_workers} rollout workers and the learner on Ray")
+            learner, workers = start_actors(cfg, Path(state.model_dir), svc.redis_url, run_id)
+            if checkpoint is not None:
+                restore(cfg, run_dir, checkpoint, state, learner, workers, resume)
+            log = MetricsLogger(
+                run_dir,
+                client=svc.redis,
+                stream=RunKeys(run_id).metrics,
+                tensorboard=cfg.metrics.tensorboard,
+                purge_step=state.step + 1 if checkpoint else None,
+                trackers=trackers,
+            )
         renderer = ChatRenderer(_tokenizer(state.model_dir))
         if checkpoint is None:  # evaluations run at the curriculum's longest stage
             evals = evals_at_longest(cfg, workers, renderer, log, step=0, label=state.base_label)

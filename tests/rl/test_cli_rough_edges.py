@@ -351,3 +351,34 @@ def test_rl_from_a_random_policy_is_warned_about_once(tmp_path, monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger="rl.run.train"):
         train.warm_start(saved, tmp_path)  # a saved policy: RL from it is what was asked
     assert caplog.records == []
+
+
+def test_the_prompt_probe_runs_no_agent_and_waits_on_a_failing_reset_once(tokenizer, monkeypatch):
+    """A harness env's reset runs the user's agent (and waits up to its first-request timeout),
+    an MCP env's starts servers: neither is probed. Any other env's failing reset ends the probe
+    at once (it was tried on every probe seed, each wait in full)."""
+    import gymnasium
+
+    monkeypatch.chdir(ROOT)  # the run files' task paths are relative to the repository root
+    tight = ["rollout.max_seq_len=64", "rollout.max_new_tokens=8"]
+    made: list[str] = []
+    real_make = gymnasium.make
+    monkeypatch.setattr(gymnasium, "make", lambda *a, **k: made.append(a[0]) or real_make(*a, **k))
+    check_prompt_room(load_config(str(ROOT / "configs" / "harness.yaml"), tight), tokenizer)
+    assert made == []  # not built, not reset: nothing to refuse
+    mcp = "env.kwargs.mcp=[{command: python, args: [configs/mcp/calc_server.py]}]"
+    check_prompt_room(load_config(str(ROOT / "configs" / "dataset.yaml"), [*tight, mcp]), tokenizer)
+    assert made == []
+    resets: list[int] = []
+
+    class Broken:
+        def reset(self, seed=None):
+            resets.append(seed)
+            raise ConnectionError("the tool service did not answer in 60 s")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(gymnasium, "make", lambda *a, **k: Broken())
+    check_prompt_room(load_config(QUICKSTART, tight), tokenizer)  # can't tell: not refused
+    assert resets == [0]

@@ -17,7 +17,7 @@ from rl.cli import main
 from rl.config.errors import ConfigError
 from rl.config.runfile import load_config
 from rl.observe.metrics import MetricsLogger, eval_record
-from rl.observe.trackers import open_trackers, tracker_metrics
+from rl.observe.trackers import closed_on_error, open_trackers, tracker_metrics
 
 QUICKSTART = "configs/quickstart.yaml"
 
@@ -201,3 +201,21 @@ def test_the_run_opens_its_trackers_before_sft(tmp_path):
     assert "config error: metrics.wandb: wandb did not start: api_key not configured" in proc.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert not (run_dir / "policy-init").exists()  # stopped before the policy was built
+
+
+def test_trackers_opened_before_a_start_that_fails_are_closed(tmp_path, monkeypatch):
+    """The run opens its trackers before SFT; a start that fails after (SFT, the actors, a
+    resume) closes them, where it left a W&B run open; a start that succeeds hands them on."""
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    cfg = load_config(QUICKSTART, ["metrics.wandb=true"])
+    with (
+        pytest.raises(RuntimeError, match="SFT failed"),
+        closed_on_error(open_trackers(cfg, tmp_path)),
+    ):
+        raise RuntimeError("SFT failed")
+    assert [c[0] for c in calls] == ["init", "finish"]
+    calls.clear()
+    with closed_on_error(open_trackers(cfg, tmp_path)) as trackers:
+        pass
+    assert [c[0] for c in calls] == ["init"] and len(trackers) == 1  # still open, for the run
