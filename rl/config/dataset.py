@@ -100,6 +100,12 @@ def task_file(dataset: str) -> str:
         raise ConfigError("dataset", f"must be a .jsonl or .parquet file, got {dataset!r}")
     if not path.is_file():
         shown = f" (looked for {path})" if str(path) != dataset else ""
+        if not Path(os.path.expanduser(dataset)).is_absolute():
+            shown = (
+                f" (looked for {path}: a relative path is read from the current directory; run "
+                "from the directory it is relative to, e.g. the repository root for the run "
+                "files in configs/, or give an absolute path)"
+            )
         raise ConfigError("dataset", f"no such file {dataset!r}{shown}")
     return str(path)
 

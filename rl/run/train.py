@@ -201,6 +201,13 @@ def report_sft(cfg: RunConfig, report: dict, evals: dict, log: MetricsLogger) ->
         logger.warning(f"!!! {text}")
 
 
+def rerun_final_eval(cfg: RunConfig) -> int | None:
+    """The step whose evaluation records a resume replaces (the last: from its checkpoint the
+    final evaluation runs again), or None when this resume evaluates nothing (eval.tasks 0: the
+    records already there are the only ones)."""
+    return cfg.trainer.steps if cfg.eval.tasks else None
+
+
 def restore(
     cfg, run_dir: Path, checkpoint: Path, state: RunState, learner, workers, resume
 ) -> None:
@@ -213,7 +220,7 @@ def restore(
     push_weights(
         learner, workers, timeout_s=cfg.weights.push_timeout_s, transport=cfg.weights.transport
     )
-    dropped = truncate_metrics(run_dir, state.step, final=cfg.trainer.steps)
+    dropped = truncate_metrics(run_dir, state.step, final=rerun_final_eval(cfg))
     ledger.truncate(run_dir, state.step)
     trajlog.truncate(run_dir, state.step)
     fate = "will be trained (none is lost)" if rewind else "are discarded and will be redone"

@@ -56,6 +56,10 @@ def test_a_saved_config_loads_again(workdir):
     ("env", "message"),
     [
         ({"dataset": "absent.jsonl"}, "env.dataset: no such file 'absent.jsonl' (looked for "),
+        (  # configs/dataset.yaml checked from outside the repository root named no cause
+            {"dataset": "data/absent.jsonl"},
+            "absent.jsonl: a relative path is read from the current directory; run from the",
+        ),
         ({"dataset": "my_grader.py"}, "env.dataset: must be a .jsonl or .parquet file"),
         ({"dataset": 3}, "env.dataset: expected a string, got 3 (int)"),
         (

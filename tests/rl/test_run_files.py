@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from rl.cli import strict_exit
+from rl.config.runfile import load_config
 from rl.learner.checkpoint import CheckpointError, read_jsonl, truncate_jsonl
 from rl.observe.evaluate import EvalResult
 from rl.run.runstate import truncate_metrics
-from rl.run.train import report
+from rl.run.train import report, rerun_final_eval
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,10 @@ def test_a_resume_from_the_last_step_runs_its_final_evaluation_once_more_not_twi
     assert [r["step"] for r in read_jsonl(path)] == [0, 1, 1]
     write(path, *lines)
     assert truncate_metrics(tmp_path, 2) == 0  # without `final`, nothing at the step goes
+    resumed = load_config(str(ROOT / "configs" / "quickstart.yaml"), ["trainer.steps=2"])
+    assert rerun_final_eval(resumed) == 2
+    no_eval = resumed.model_copy(update={"eval": resumed.eval.model_copy(update={"tasks": 0})})
+    assert rerun_final_eval(no_eval) is None  # it would not run again: its records stay
 
 
 def result(mode: str, success: float) -> EvalResult:
