@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from rl.observe.trackers import tracker_metrics
+from rl.observe.trackers import close_all, tracker_metrics
 from rollout.stream import dead_letter_total
 
 
@@ -54,11 +54,17 @@ class MetricsLogger:
         for tracker in self.trackers:
             tracker.log(step, tracker_metrics(metrics, phase))
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close TensorBoard and the trackers (failed: W&B and MLflow mark the run failed)."""
         if self.writer is not None:
             self.writer.close()
-        for tracker in self.trackers:
-            tracker.close()
+        close_all(self.trackers, failed=failed)
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.close(failed=kind is not None)
 
 
 def eval_record(

@@ -66,8 +66,7 @@ def open_trackers(cfg: RunConfig, run_dir: Path) -> list:
         try:
             started.append(kinds[name](cfg, Path(run_dir)))
         except Exception as exc:
-            for tracker in started:
-                tracker.close()
+            close_all(started, failed=True)
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise ConfigError(
                 f"metrics.{name}",
@@ -79,15 +78,21 @@ def open_trackers(cfg: RunConfig, run_dir: Path) -> list:
 
 @contextlib.contextmanager
 def closed_on_error(trackers: list) -> Iterator[list]:
-    """`trackers`, closed if the block raises (the run's start before MetricsLogger owns them:
-    SFT, the actors, a resume), so a run that fails early leaves no W&B or MLflow run open."""
+    """`trackers`, closed as failed if the block raises (the run's start before MetricsLogger
+    owns them: SFT, the actors, a resume), so a run that fails early leaves no W&B or MLflow run
+    open, nor one marked finished."""
     try:
         yield trackers
     except BaseException:
-        for tracker in trackers:
-            with contextlib.suppress(Exception):
-                tracker.close()
+        close_all(trackers, failed=True)
         raise
+
+
+def close_all(trackers: list, *, failed: bool) -> None:
+    """Close every tracker (failed: marked so); one that raises does not keep the rest open."""
+    for tracker in trackers:
+        with contextlib.suppress(Exception):
+            tracker.close(failed=failed)
 
 
 def tracker_metrics(metrics: dict, phase: str) -> dict[str, float]:
@@ -116,8 +121,9 @@ class WandbTracker:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        """Finish the W&B run: exit code 1 when the run failed (else W&B marks it finished)."""
+        self.run.finish(exit_code=1 if failed else None)
 
 
 class MlflowTracker:
@@ -141,8 +147,9 @@ class MlflowTracker:
         clean = {re.sub(r"[^\w\-. :/]", "_", k): v for k, v in metrics.items()}
         self.mlflow.log_metrics(clean, step=step)
 
-    def close(self) -> None:
-        self.mlflow.end_run()
+    def close(self, failed: bool = False) -> None:
+        """End the MLflow run as FAILED when the run failed, else FINISHED."""
+        self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
 
 
 def flat_params(tree: dict, prefix: str = "") -> dict[str, str]:

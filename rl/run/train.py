@@ -91,27 +91,42 @@ def train(cfg: RunConfig, run_dir: Path, resume: Resume | None = None) -> dict:
                 purge_step=state.step + 1 if checkpoint else None,
                 trackers=trackers,
             )
-        renderer = ChatRenderer(_tokenizer(state.model_dir))
-        if checkpoint is None:  # evaluations run at the curriculum's longest stage
-            evals = evals_at_longest(cfg, workers, renderer, log, step=0, label=state.base_label)
-            state.base_evals = {mode: r.to_dict() for mode, r in evals.items()}
-            if sft_report:
-                report_sft(cfg, sft_report, evals, log)
-        if cfg.trainer.mode == "async":
-            async_train(cfg, learner, workers, renderer, log, state, run_dir, svc.redis)
-        else:
-            sync_train(cfg, learner, workers, renderer, log, state, run_dir)
-        algo = cfg.trainer.algorithm
-        final = evals_at_longest(cfg, workers, renderer, log, step=cfg.trainer.steps, label=algo)
-        ray.get(learner.save_model.remote(str(run_dir / "final-model")))
-        complete_export(run_dir / "final-model", _tokenizer(state.model_dir))  # policy/export.py
-        log.close()
+        with log:  # closed at the end; on an error or Ctrl-C the trackers mark the run failed
+            base_report = sft_report if checkpoint is None else None  # a fresh run: evals first
+            final = rl_and_evals(
+                cfg, run_dir, svc.redis, (learner, workers), log, state, base_report
+            )
+    algo = cfg.trainer.algorithm
     base = {mode: EvalResult(**r) for mode, r in state.base_evals.items()}
     summary = report({state.base_label: base, algo: final}, state.base_label, algo, run_dir)
     from rl.observe.plot import plot_run
 
     say(f"reward curve: {plot_run(run_dir)}")
     return summary
+
+
+def rl_and_evals(
+    cfg: RunConfig, run_dir: Path, redis, actors, log, state: RunState, base_report: dict | None
+) -> dict:
+    """A fresh run's evaluations of its starting policy (`base_report` not None: the SFT
+    figures, maybe empty), the RL loop, the final evaluation and the final model; returns the
+    final evaluation {mode: EvalResult}."""
+    learner, workers = actors
+    renderer = ChatRenderer(_tokenizer(state.model_dir))
+    if base_report is not None:  # evaluations run at the curriculum's longest stage
+        evals = evals_at_longest(cfg, workers, renderer, log, step=0, label=state.base_label)
+        state.base_evals = {mode: r.to_dict() for mode, r in evals.items()}
+        if base_report:
+            report_sft(cfg, base_report, evals, log)
+    if cfg.trainer.mode == "async":
+        async_train(cfg, learner, workers, renderer, log, state, run_dir, redis)
+    else:
+        sync_train(cfg, learner, workers, renderer, log, state, run_dir)
+    algo = cfg.trainer.algorithm
+    final = evals_at_longest(cfg, workers, renderer, log, step=cfg.trainer.steps, label=algo)
+    ray.get(learner.save_model.remote(str(run_dir / "final-model")))
+    complete_export(run_dir / "final-model", _tokenizer(state.model_dir))  # policy/export.py
+    return final
 
 
 def resolved_devices(cfg: RunConfig) -> RunConfig:

@@ -37,8 +37,8 @@ def fake_wandb(calls: list) -> types.ModuleType:
         def log(self, data, step=None):
             calls.append(("log", dict(data), step))
 
-        def finish(self):
-            calls.append(("finish",))
+        def finish(self, exit_code=None):
+            calls.append(("finish",) if exit_code is None else ("finish", exit_code))
 
     def init(**kwargs):
         calls.append(("init", kwargs))
@@ -214,8 +214,31 @@ def test_trackers_opened_before_a_start_that_fails_are_closed(tmp_path, monkeypa
         closed_on_error(open_trackers(cfg, tmp_path)),
     ):
         raise RuntimeError("SFT failed")
-    assert [c[0] for c in calls] == ["init", "finish"]
+    assert calls[1:] == [("finish", 1)]  # marked failed (finish() alone says it finished)
     calls.clear()
     with closed_on_error(open_trackers(cfg, tmp_path)) as trackers:
         pass
     assert [c[0] for c in calls] == ["init"] and len(trackers) == 1  # still open, for the run
+
+
+def test_a_run_that_fails_after_its_start_marks_its_trackers_failed(tmp_path, monkeypatch):
+    """The run's metrics logger closed its trackers only at a normal end: a crash or a Ctrl-C
+    during training left the W&B and MLflow runs open (or marked finished by their exit hooks).
+    As a context manager it closes them either way, marked failed after an error."""
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    monkeypatch.setitem(sys.modules, "mlflow", fake_mlflow(calls))
+    cfg = load_config(QUICKSTART, ["metrics.wandb=true", "metrics.mlflow=true"])
+    log = MetricsLogger(
+        tmp_path, client=None, stream="", tensorboard=False, trackers=open_trackers(cfg, tmp_path)
+    )
+    with pytest.raises(KeyboardInterrupt), log:
+        log.log(1, {"reward/mean": 0.5})
+        raise KeyboardInterrupt
+    assert ("finish", 1) in calls and ("end_run", (), {"status": "FAILED"}) in calls
+    calls.clear()
+    with MetricsLogger(
+        tmp_path, client=None, stream="", tensorboard=False, trackers=open_trackers(cfg, tmp_path)
+    ):
+        pass
+    assert ("finish",) in calls and ("end_run", (), {"status": "FINISHED"}) in calls
